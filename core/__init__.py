@@ -1,0 +1,54 @@
+"""dspark: a pluggable inference runtime.
+
+Hardware plugins, discovered from installed packages through the ``dspark``
+entry-point group, probe devices, bid on subgraphs, compile them, quantize
+and draft; the core places each op where its predicted cost is lowest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dspark.hookspecs import API_VERSION, hookimpl, hookspec
+from dspark.types import (
+    TOLERANCES,
+    Bid,
+    Device,
+    Draft,
+    Drafter,
+    DrafterSpec,
+    Executable,
+    HardwareUnavailable,
+    PluginRecord,
+    PluginStatus,
+    QuantSpec,
+    TargetModel,
+)
+
+if TYPE_CHECKING:
+    from dspark.graph import Graph, Op, Subgraph, TensorSpec
+    from dspark.inventory import Inventory
+    from dspark.plugin_manager import PluginHost
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "Drafter", "DrafterSpec", "Executable",
+    "Graph", "HardwareUnavailable", "Inventory", "Op", "PluginHost", "PluginRecord", "PluginStatus",
+    "QuantSpec", "Subgraph", "TargetModel", "TensorSpec", "hookimpl", "hookspec", "__version__",
+]
+
+_LAZY = {
+    "Graph": "dspark.graph", "Op": "dspark.graph", "Subgraph": "dspark.graph", "TensorSpec": "dspark.graph",
+    "Inventory": "dspark.inventory", "PluginHost": "dspark.plugin_manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Keep ``import dspark`` light: a plugin importing the markers should not
+    # pay for the plugin manager or the graph model.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dspark' has no attribute {name!r}")

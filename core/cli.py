@@ -1,0 +1,109 @@
+"""The ``dspark`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dspark.settings import PluginSettings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="dspark: pluggable inference runtime. Plugins bid on subgraphs; ops run where they are cheapest.")
+out = Console()
+err = Console(stderr=True)
+
+PluginOpt = Annotated[list[str] | None, typer.Option(
+    "-p", "--plugin", metavar="no:NAME|MODULE",
+    help="Block a plugin (no:NAME) or load a plugin module by import path. Repeatable.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+_global_specs: list[str] = []
+
+
+@app.callback()
+def _root(plugin: PluginOpt = None) -> None:
+    _global_specs.extend(plugin or [])
+
+
+def host_from_cli(specs: list[str] | None):  # type: ignore[no-untyped-def]
+    from dspark.plugin_manager import PluginHost
+
+    return PluginHost(PluginSettings.from_env([*_global_specs, *(specs or [])])).load()
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return "-"
+
+
+def _fmt_rate(n: float | None, unit: str) -> str:
+    if not n:
+        return "-"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+@app.command()
+def devices(
+    as_json: JsonOpt = False,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Re-run cached microbenchmarks.")] = False,
+    plugin: PluginOpt = None,
+) -> None:
+    """List every device, the plugins/runtimes that drive it, and every plugin's status."""
+    from dspark.inventory import probe
+
+    host = host_from_cli(plugin)
+    if sys.stderr.isatty() and not as_json:
+        with err.status("probing devices..."):
+            inv = probe(host, refresh=refresh)
+    else:
+        inv = probe(host, refresh=refresh)
+    if as_json:
+        print(json.dumps(inv.to_json_dict(), indent=2))
+        return
+    table = Table(title="Devices", title_justify="left")
+    for col in ("id", "kind", "name", "memory free/total", "peak compute", "mem bw", "host link",
+                "dtypes", "driven by (plugin: runtime)"):
+        table.add_column(col, overflow="fold")
+    for d in inv.devices:
+        flops = ", ".join(f"{k.replace('float', 'f').replace('bfloat', 'bf')} {_fmt_rate(v, 'FLOP/s')}"
+                          for k, v in sorted(d.peak_flops.items(), key=lambda kv: -kv[1]))
+        table.add_row(
+            d.id, d.kind, d.name,
+            f"{_fmt_bytes(d.memory_free_bytes)} / {_fmt_bytes(d.memory_total_bytes)}",
+            flops or "-", _fmt_rate(d.memory_bandwidth_bytes_per_s, "B/s"),
+            _fmt_rate(d.host_link_bandwidth_bytes_per_s, "B/s"), " ".join(d.dtypes),
+            "\n".join(f"{drv.plugin}: {drv.runtime}" for drv in d.drivers),
+        )
+    out.print(table)
+    ptable = Table(title="Plugins", title_justify="left")
+    for col in ("name", "version", "source", "status", "devices", "reason"):
+        ptable.add_column(col, overflow="fold")
+    colors = {"active": "green", "no hardware": "yellow", "failed": "red", "blocked": "dim"}
+    for p in inv.plugins:
+        ptable.add_row(p.name, p.version, p.source, f"[{colors[p.status.value]}]{p.status.value}[/]",
+                       " ".join(p.devices) or "-", p.reason or "")
+    out.print(ptable)
+
+
+def main() -> None:
+    from dspark import log
+
+    log.configure()
+    app()
+
+
+if __name__ == "__main__":
+    main()
