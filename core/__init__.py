@@ -23,6 +23,7 @@ from dspark.types import (
     PluginStatus,
     QuantSpec,
     TargetModel,
+    Unavailable,
 )
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "Drafter", "DrafterSpec", "Executable",
     "Graph", "HardwareUnavailable", "Inventory", "Op", "PluginHost", "PluginRecord", "PluginStatus",
-    "QuantSpec", "Subgraph", "TargetModel", "TensorSpec", "hookimpl", "hookspec", "__version__",
+    "QuantSpec", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec", "__version__",
 ]
 
 _LAZY = {

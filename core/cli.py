@@ -14,7 +14,7 @@ from dspark.settings import PluginSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dspark: pluggable inference runtime. Plugins bid on subgraphs; ops run where they are cheapest.")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 PluginOpt = Annotated[list[str] | None, typer.Option(
@@ -89,12 +89,13 @@ def devices(
         )
     out.print(table)
     ptable = Table(title="Plugins", title_justify="left")
-    for col in ("name", "version", "source", "status", "devices", "reason"):
+    for col in ("name", "version", "source", "status", "devices", "reason / unavailable"):
         ptable.add_column(col, overflow="fold")
     colors = {"active": "green", "no hardware": "yellow", "failed": "red", "blocked": "dim"}
     for p in inv.plugins:
         ptable.add_row(p.name, p.version, p.source, f"[{colors[p.status.value]}]{p.status.value}[/]",
-                       " ".join(p.devices) or "-", p.reason or "")
+                       " ".join(p.devices) or "-",
+                       "\n".join([p.reason] * bool(p.reason) + [f"{u.what}: {u.reason}" for u in p.unavailable if u.reason not in p.reason]))
     out.print(ptable)
 
 

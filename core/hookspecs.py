@@ -26,7 +26,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel
+    from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
 
 PROJECT = "dspark"
 API_VERSION = "1.0"
@@ -36,7 +36,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def dspark_probe_devices(refresh: bool) -> list[Device] | None:
+def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable] | None:
     """Report the devices this plugin can drive, with their capabilities.
 
     When: once per inventory (``dspark devices``, before planning, and again
@@ -49,7 +49,10 @@ def dspark_probe_devices(refresh: bool) -> list[Device] | None:
         memory, utilization) must always be current.
 
     Return a list of :class:`~dspark.types.Device`, one per (physical device,
-    runtime) the plugin drives. ``Device.id`` names the physical device
+    runtime) the plugin drives, plus an :class:`~dspark.types.Unavailable`
+    (what, reason) for each device or runtime it found but cannot drive (an
+    execution provider without its driver): these are listed under the
+    plugin, never skipped silently. ``Device.id`` names the physical device
     (``cpu``, ``cuda:0``, ``npu:0``) so the same silicon driven by several
     plugins is merged in the inventory. Raise
     :class:`~dspark.types.HardwareUnavailable` with a reason when the hardware

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from dspark.plugin_manager import PluginHost
-from dspark.types import Device, HardwareUnavailable, PluginRecord, PluginStatus
+from dspark.types import Device, HardwareUnavailable, PluginRecord, PluginStatus, Unavailable
 
 
 class DeviceEntry(BaseModel):
@@ -86,12 +86,15 @@ def probe(host: PluginHost, refresh: bool = False) -> Inventory:
             continue
         if record.status == PluginStatus.FAILED:
             continue
-        if not result:
-            record.status, record.reason = PluginStatus.NO_HARDWARE, "probe found no devices"
+        found = [d for d in result or [] if isinstance(d, Device)]
+        record.unavailable = [u for u in result or [] if isinstance(u, Unavailable)]
+        if not found:
+            record.status = PluginStatus.NO_HARDWARE
+            record.reason = "; ".join(f"{u.what}: {u.reason}" for u in record.unavailable) or "probe found no devices"
             continue
         record.status, record.reason = PluginStatus.ACTIVE, ""
-        record.devices = [d.id for d in result]
-        for device in result:
+        record.devices = [d.id for d in found]
+        for device in found:
             by_id.setdefault(device.id, []).append(device)
     # Hardware plugins first, the hardware-neutral torch reference last, so a
     # device's name comes from the runtime that knows it best.

@@ -27,7 +27,10 @@ from dspark import hookspecs
 from dspark.graph import Subgraph
 from dspark.log import get_logger
 from dspark.settings import PluginSettings
-from dspark.types import Bid, Device, DrafterSpec, Executable, HardwareUnavailable, PluginRecord, PluginStatus
+from dspark.types import (
+    Bid, Device, DrafterSpec, Executable, HardwareUnavailable, PluginRecord, PluginStatus,
+    Unavailable,
+)
 
 log = get_logger("dspark.plugins")
 
@@ -294,7 +297,7 @@ def _call_with_timeout(fn: Callable[..., Any], args: list[Any], timeout: float, 
     return box.get("value")
 
 
-_DEVICES = TypeAdapter(list[Device])
+_DEVICES = TypeAdapter(list[Device | Unavailable])
 _DRAFTERS = TypeAdapter(list[DrafterSpec])
 
 
@@ -306,7 +309,8 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
         if hook == "dspark_probe_devices":
             devices = _DEVICES.validate_python(raw)
             for d in devices:
-                d.plugin = plugin
+                if isinstance(d, Device):
+                    d.plugin = plugin
             return devices
         if hook == "dspark_bid":
             bid = Bid.model_validate(raw)

@@ -89,6 +89,18 @@ class Device(_Strict):
         return v
 
 
+class Unavailable(_Strict):
+    """Something a plugin found but cannot drive, returned among its devices.
+
+    For example an ONNX Runtime execution provider that is compiled in but
+    fails to create a session (no driver). Shown under the plugin in
+    ``dspark devices`` so nothing is skipped silently.
+    """
+
+    what: str = Field(min_length=1, description="Device id or runtime name, e.g. 'CUDAExecutionProvider'.")
+    reason: str = Field(min_length=1)
+
+
 class Bid(_Strict):
     """A plugin's offer to run one subgraph on one of its devices."""
 
@@ -120,6 +132,7 @@ class PluginRecord(BaseModel):
     status: PluginStatus = PluginStatus.ACTIVE
     reason: str = ""
     devices: list[str] = Field(default_factory=list)
+    unavailable: list[Unavailable] = Field(default_factory=list, description="What it found but cannot drive.")
 
 
 class QuantSpec(_Strict):
