@@ -116,7 +116,8 @@ class PluginHost:
             log.warning("plugin.import_failed", plugin=shown, target=target, error=str(exc))
             return
         if name is None:
-            name = str(getattr(obj, "DSPARK_PLUGIN_NAME", None) or target.rsplit(".", 1)[-1])
+            module_part, _, attr = target.partition(":")
+            name = str(getattr(obj, "DSPARK_PLUGIN_NAME", None) or attr or module_part.rsplit(".", 1)[-1])
             if why := self.settings.excluded(name):
                 self._set(PluginRecord(name=name, module=target, source=source, version=version,  # type: ignore[arg-type]
                                        status=PluginStatus.BLOCKED, reason=why))
@@ -297,8 +298,11 @@ def _call_with_timeout(fn: Callable[..., Any], args: list[Any], timeout: float, 
     return box.get("value")
 
 
-_DEVICES = TypeAdapter(list[Device | Unavailable])
 _DRAFTERS = TypeAdapter(list[DrafterSpec])
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<value>'}: {e['msg']}" for e in exc.errors()[:4])
 
 
 def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
@@ -307,11 +311,22 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
         return None
     try:
         if hook == "dspark_probe_devices":
-            devices = _DEVICES.validate_python(raw)
-            for d in devices:
+            if not isinstance(raw, (list, tuple)):
+                raise PluginError(f"plugin {plugin!r}: dspark_probe_devices returned "
+                                  f"{type(raw).__name__}, not a list of Device/Unavailable")
+            items: list[Device | Unavailable] = []
+            for i, item in enumerate(raw):
+                model = Unavailable if isinstance(item, Unavailable) or (
+                    isinstance(item, dict) and "what" in item) else Device
+                try:
+                    items.append(model.model_validate(item))
+                except ValidationError as exc:
+                    raise PluginError(f"plugin {plugin!r}: dspark_probe_devices returned an invalid "
+                                      f"{model.__name__} at [{i}]: {_errors(exc)}") from None
+            for d in items:
                 if isinstance(d, Device):
                     d.plugin = plugin
-            return devices
+            return items
         if hook == "dspark_bid":
             bid = Bid.model_validate(raw)
             bid.plugin = plugin
@@ -335,7 +350,5 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
                 s.plugin = plugin
             return specs
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "<value>"
-        raise PluginError(f"plugin {plugin!r}: {hook} returned an invalid value: {loc}: {first['msg']}") from None
+        raise PluginError(f"plugin {plugin!r}: {hook} returned an invalid value: {_errors(exc)}") from None
     return raw

@@ -1,0 +1,38 @@
+"""dspark hardware plugin for CPUs (and other OpenVINO devices) through OpenVINO.
+
+Registered as entry point ``cpu``. Importing this package is cheap: OpenVINO
+itself is imported inside the hooks, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dspark.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from dspark.graph import Subgraph
+    from dspark.types import Bid, Device, Executable, Unavailable
+
+DSPARK_API_VERSION = "1.0"
+
+
+@hookimpl
+def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable]:
+    from dspark_plugins_cpu.probe import probe
+
+    return probe(refresh)
+
+
+@hookimpl
+def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
+    from dspark_plugins_cpu.bidding import bid
+
+    return bid(subgraph, device)
+
+
+@hookimpl
+def dspark_compile(subgraph: Subgraph, device: Device) -> Executable | None:
+    from dspark_plugins_cpu.executable import compile_subgraph
+
+    return compile_subgraph(subgraph, device)

@@ -1,0 +1,134 @@
+"""Plugins that break the contract in every way the plugin manager must survive.
+
+Each is a class so a test can register a fresh instance; the hardware they
+claim is the host CPU, the device every machine has.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import dspark
+from dspark import Bid, Device, hookimpl
+
+
+def _cpu(runtime: str) -> Device:
+    return Device(id="cpu", kind="cpu", name="test cpu", runtime=runtime, peak_flops={"float32": 1e9})
+
+
+class Good:
+    DSPARK_API_VERSION = "1.0"
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [_cpu("good")]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Bid:
+        return Bid(device_id=device.id, runtime="good", latency_s=1e-3, peak_memory_bytes=0, precision="float32")
+
+
+class RaisesIn(Good):
+    """Raises in the hook named by ``hook``."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def _maybe_raise(self, hook: str) -> None:
+        if hook == self.hook:
+            raise RuntimeError(f"boom in {hook}")
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        self._maybe_raise("dspark_probe_devices")
+        return [_cpu("raises")]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Bid:
+        self._maybe_raise("dspark_bid")
+        return super().dspark_bid(subgraph, device)
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Any, device: Device) -> Any:
+        self._maybe_raise("dspark_compile")
+        return None
+
+    @hookimpl
+    def dspark_quantize(self, subgraph: Any, device: Device, spec: Any) -> Any:
+        self._maybe_raise("dspark_quantize")
+        return None
+
+    @hookimpl
+    def dspark_drafters(self, target: Any) -> Any:
+        self._maybe_raise("dspark_drafters")
+        return None
+
+
+class WrongTypes:
+    """Returns values of the wrong type from every hook."""
+
+    DSPARK_API_VERSION = "1.0"
+
+    def __init__(self, probe_value: Any = "garbage") -> None:
+        self.probe_value = probe_value
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return self.probe_value
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Any:
+        return {"device_id": device.id, "latency_s": -1}
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Any, device: Device) -> Any:
+        return 42
+
+    @hookimpl
+    def dspark_quantize(self, subgraph: Any, device: Device, spec: Any) -> Any:
+        return subgraph  # not marked as quantized by this plugin
+
+    @hookimpl
+    def dspark_drafters(self, target: Any) -> Any:
+        return [{"name": "x", "kind": "model", "create": "not callable"}]
+
+
+class Hangs(Good):
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        self.release.wait(60)
+        return [_cpu("hangs")]
+
+
+class FutureApi(Good):
+    DSPARK_API_VERSION = "2.0"
+
+
+class NoApi:
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [_cpu("noapi")]
+
+
+class Misspelled(Good):
+    @hookimpl
+    def dspark_probe_device(self, refresh: bool) -> list[Device]:  # missing the final "s"
+        return [_cpu("typo")]
+
+
+class UnmarkedMisspelled(Good):
+    def dspark_bids(self, subgraph: Any, device: Device) -> None:  # no marker, still caught
+        return None
+
+
+class WrongArgs(Good):
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device, budget: float) -> None:  # type: ignore[override]
+        return None
+
+
+assert dspark.API_VERSION == "1.0"

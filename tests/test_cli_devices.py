@@ -1,0 +1,150 @@
+"""`dspark devices` end to end, with plugins discovered through real entry points.
+
+Each broken plugin is a real distribution (a dist-info folder with an
+entry_points.txt) on PYTHONPATH, found by importlib.metadata exactly as an
+installed third-party plugin would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HARDWARE = ["cpu", "cuda", "npu"]
+
+
+def make_dist(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    info = site / f"{dist}-0.3.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3.1\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[dspark]\n{lines}\n")
+    for name, source in modules.items():
+        (site / f"{name}.py").write_text(source)
+
+
+def dspark(*args: str, site: Path | None = None, env: dict[str, str] | None = None,
+           timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ, **(env or {}))
+    if site is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "tests")])
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=ROOT)
+
+
+GOOD = '''
+from bad_plugins import Good as _Good
+DSPARK_API_VERSION = "1.0"
+_impl = _Good()
+from dspark import hookimpl
+@hookimpl
+def dspark_probe_devices(refresh):
+    return _impl.dspark_probe_devices(refresh)
+'''
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("site")
+    make_dist(site, "dspark_plugin_noimport", {"noimport": "module_that_does_not_exist"}, {})
+    make_dist(site, "dspark_plugin_syntax", {"syntax": "syntax_error_plugin"},
+              {"syntax_error_plugin": "def broken(:\n"})
+    make_dist(site, "dspark_plugin_good", {"goodone": "good_plugin"}, {"good_plugin": GOOD})
+    make_dist(site, "dspark_plugin_dup", {"goodone": "good_plugin_copy"}, {"good_plugin_copy": GOOD})
+    make_dist(site, "dspark_plugin_future", {"future": "bad_plugins:FutureApi"}, {})
+    make_dist(site, "dspark_plugin_raises", {"raises": "raises_plugin"}, {"raises_plugin": '''
+from dspark import hookimpl
+DSPARK_API_VERSION = "1.0"
+@hookimpl
+def dspark_probe_devices(refresh):
+    raise OSError("sensor unreadable")
+'''})
+    make_dist(site, "dspark_plugin_garbage", {"garbage": "bad_plugins:WrongTypes"}, {})
+    make_dist(site, "dspark_plugin_hangs", {"hangs": "hang_plugin"}, {"hang_plugin": '''
+import time
+from dspark import hookimpl
+DSPARK_API_VERSION = "1.0"
+@hookimpl
+def dspark_probe_devices(refresh):
+    time.sleep(600)
+'''})
+    return site
+
+
+def test_every_broken_plugin_is_reported_and_the_listing_still_prints(broken_site: Path) -> None:
+    t0 = time.perf_counter()
+    res = dspark("devices", "--json", site=broken_site,
+                 env={"DSPARK_HOOK_TIMEOUT": "2", "DSPARK_PLUGINS": ",".join(f"no:{h}" for h in HARDWARE)})
+    assert time.perf_counter() - t0 < 60
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    plugins: dict[str, dict] = {}
+    for p in data["plugins"]:
+        plugins.setdefault(p["name"], p)  # a duplicate name is listed after the first
+    expect = {
+        "noimport": "failed to import 'module_that_does_not_exist'",
+        "syntax": "SyntaxError",
+        "future": "written for plugin API 2.0",
+        "raises": "dspark_probe_devices raised OSError: sensor unreadable",
+        "garbage": "dspark_probe_devices returned str, not a list",
+        "hangs": "did not return within 2 s",
+    }
+    for name, needle in expect.items():
+        assert plugins[name]["status"] == "failed", (name, plugins[name])
+        assert needle in plugins[name]["reason"], (name, plugins[name]["reason"])
+    assert plugins["goodone"]["status"] == "active" and plugins["goodone"]["version"] == "0.3.1"
+    dups = [p for p in data["plugins"] if p["name"] == "goodone" and p["status"] == "failed"]
+    assert dups and "already taken" in dups[0]["reason"]
+    for hw in HARDWARE:
+        assert plugins[hw]["status"] == "blocked"
+    cpu = next(d for d in data["devices"] if d["id"] == "cpu")
+    assert {"goodone", "torch"} <= set(cpu["plugins"])
+    # Reported on stderr as structured log lines too: nothing is silent.
+    assert "plugin.failed" in res.stderr and "plugin.import_failed" in res.stderr
+
+
+def test_table_output_lists_devices_and_plugin_reasons(broken_site: Path) -> None:
+    res = dspark("-p", "no:cuda", "devices", "-p", "no:npu", "-p", "no:cpu", site=broken_site,
+                 env={"DSPARK_HOOK_TIMEOUT": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "Devices" in res.stdout and "Plugins" in res.stdout
+    assert "failed to import" in res.stdout and "blocked by 'no:cuda'" in res.stdout
+
+
+def test_json_shape_with_all_plugins() -> None:
+    res = dspark("devices", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    for device in data["devices"]:
+        assert {"id", "kind", "name", "memory_total_bytes", "plugins"} <= set(device)
+    names = {p["name"]: p for p in data["plugins"]}
+    for name in ("torch", "ngram", *HARDWARE):
+        assert {"name", "status", "reason"} <= set(names[name])
+    assert names["cuda"]["status"] in ("active", "no hardware")
+    assert "torch" in next(d for d in data["devices"] if d["id"] == "cpu")["plugins"]
+
+
+def test_autoload_kill_switch_from_the_environment() -> None:
+    res = dspark("devices", "--json", env={"DSPARK_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    names = {p["name"] for p in json.loads(res.stdout)["plugins"]}
+    assert names == {"torch", "ngram"}
+
+
+def test_cold_start_is_fast() -> None:
+    dspark("devices", "--json")  # warm the on-disk microbenchmark cache
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        res = dspark("devices", "--json")
+        times.append(time.perf_counter() - t0)
+        assert res.returncode == 0
+    # The budget is 1.5 s on an idle machine; CI shares 2 cores with other
+    # work, so the test allows slack and docs/benchmarks.md records the figure.
+    assert sorted(times)[1] < 4.0, times
