@@ -99,11 +99,56 @@ def devices(
     out.print(ptable)
 
 
+@app.command()
+def demo(as_json: JsonOpt = False, plugin: PluginOpt = None,
+         repeat: Annotated[int, typer.Option(help="Timed runs per target.")] = 20) -> None:
+    """Run the bundled demo model (a transformer block) on every device/runtime that bids for it."""
+    from dspark.demo import run_demo
+    from dspark.inventory import probe
+
+    host = host_from_cli(plugin)
+    if sys.stderr.isatty() and not as_json:
+        with err.status("probing devices, compiling and timing the demo model..."):
+            rows = run_demo(host, probe(host), repeat=repeat)
+    else:
+        rows = run_demo(host, probe(host), repeat=repeat)
+    if as_json:
+        print(json.dumps({"model": "demo_block", "targets": [r.model_dump() for r in rows]}, indent=2))
+        return
+    table = Table(title="Demo model (pre-norm transformer block, 1x32x64) on each target", title_justify="left")
+    for col in ("device", "plugin", "runtime", "predicted ms", "measured ms (median)", "precision",
+                "max |err| vs torch", "ok", "note"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r.device, r.plugin, r.runtime,
+                      "-" if r.predicted_ms is None else f"{r.predicted_ms:.3f}",
+                      "-" if r.measured_ms is None else f"{r.measured_ms:.3f}",
+                      r.precision or "-", "-" if r.max_abs_err is None else f"{r.max_abs_err:.2e}",
+                      "[green]yes[/]" if r.ok else ("-" if r.measured_ms is None else "[red]NO[/]"), r.note)
+    out.print(table)
+    if any(r.measured_ms is not None and not r.ok for r in rows):
+        raise typer.Exit(1)
+
+
 def main() -> None:
+    import os
+    import threading
+
     from dspark import log
 
     log.configure()
-    app()
+    code: int | str | None = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+    # A plugin hook that hung past its timeout still owns a thread; it must not
+    # keep the process alive or crash the interpreter's shutdown.
+    if any(t.name.startswith("dspark-hook-") and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

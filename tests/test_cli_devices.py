@@ -79,9 +79,10 @@ def dspark_probe_devices(refresh):
 
 
 def test_every_broken_plugin_is_reported_and_the_listing_still_prints(broken_site: Path) -> None:
+    dspark("devices", "--json")  # fill the microbenchmark cache so only the hang hits the timeout
     t0 = time.perf_counter()
     res = dspark("devices", "--json", site=broken_site,
-                 env={"DSPARK_HOOK_TIMEOUT": "2", "DSPARK_PLUGINS": ",".join(f"no:{h}" for h in HARDWARE)})
+                 env={"DSPARK_HOOK_TIMEOUT": "3", "DSPARK_PLUGINS": ",".join(f"no:{h}" for h in HARDWARE)})
     assert time.perf_counter() - t0 < 60
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -94,7 +95,7 @@ def test_every_broken_plugin_is_reported_and_the_listing_still_prints(broken_sit
         "future": "written for plugin API 2.0",
         "raises": "dspark_probe_devices raised OSError: sensor unreadable",
         "garbage": "dspark_probe_devices returned str, not a list",
-        "hangs": "did not return within 2 s",
+        "hangs": "did not return within 3 s",
     }
     for name, needle in expect.items():
         assert plugins[name]["status"] == "failed", (name, plugins[name])
@@ -108,6 +109,7 @@ def test_every_broken_plugin_is_reported_and_the_listing_still_prints(broken_sit
     assert {"goodone", "torch"} <= set(cpu["plugins"])
     # Reported on stderr as structured log lines too: nothing is silent.
     assert "plugin.failed" in res.stderr and "plugin.import_failed" in res.stderr
+    assert plugins["torch"]["status"] == "active"
 
 
 def test_table_output_lists_devices_and_plugin_reasons(broken_site: Path) -> None:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install dspark with its test tools. On machines without a
+# GPU the constraints file pins the CPU build of torch (found on local disk
+# through pip's find-links); elsewhere pip resolves torch normally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+CONSTRAINTS=()
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  CONSTRAINTS=(-c constraints/cpu.txt)
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "${CONSTRAINTS[@]}" -e '.[dev]' 2>&1 \
+  | grep -v "^WARNING: Location 'file:" || true
+.venv/bin/python -c "import dspark, torch, openvino, onnxruntime; print('dspark', dspark.__version__, '| torch', torch.__version__)"
