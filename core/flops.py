@@ -18,7 +18,7 @@ _PER_ELEMENT = {"Softmax": 5, "LayerNormalization": 8, "Gelu": 8, "BatchNormaliz
 
 def _numel(graph: Graph, t: str) -> int | None:
     spec = graph.tensors.get(t)
-    return spec.numel() if spec else None
+    return spec.numel(graph.dim_hints) if spec else None
 
 
 def op_flops(graph: Graph, op: Op) -> float | None:
@@ -30,6 +30,7 @@ def op_flops(graph: Graph, op: Op) -> float | None:
         if a is None or out_n is None:
             return None
         k = a.shape[-2] if op.op_type == "Gemm" and op.attrs.get("transA") else a.shape[-1]
+        k = graph.dim_hints.get(k, k) if isinstance(k, str) else k
         return 2.0 * out_n * k if isinstance(k, int) else None
     if op.op_type == "Conv":
         w = graph.tensors.get(op.inputs[1])
@@ -54,8 +55,9 @@ def annotate_costs(graph: Graph) -> None:
     """Fill ``flops``, ``bytes_read``, ``bytes_written`` and ``param_bytes`` where shapes allow."""
     for op in graph.ops:
         op.flops = op_flops(graph, op)
-        read = [graph.tensors[t].nbytes() if t in graph.tensors else None for t in op.inputs if t]
-        written = [graph.tensors[t].nbytes() if t in graph.tensors else None for t in op.outputs if t]
+        hints = graph.dim_hints
+        read = [graph.tensors[t].nbytes(hints) if t in graph.tensors else None for t in op.inputs if t]
+        written = [graph.tensors[t].nbytes(hints) if t in graph.tensors else None for t in op.outputs if t]
         op.bytes_read = None if any(r is None for r in read) else sum(r or 0 for r in read)
         op.bytes_written = None if any(w is None for w in written) else sum(w or 0 for w in written)
         op.param_bytes = sum(int(graph.initializers[t].nbytes) for t in op.inputs if t in graph.initializers)

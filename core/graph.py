@@ -101,6 +101,9 @@ class Graph(BaseModel):
     inputs: list[str]
     outputs: list[str]
     initializers: dict[str, np.ndarray] = Field(default_factory=dict)
+    dim_hints: dict[str, int] = Field(
+        default_factory=dict, description="Representative sizes of symbolic dims, for cost estimates."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Graph:
@@ -239,6 +242,7 @@ class Subgraph(BaseModel):
 
     def io_bytes(self, bindings: dict[str, int] | None = None) -> int:
         """Bytes of activations crossing the subgraph boundary (inputs + outputs)."""
+        bindings = self.graph.dim_hints if bindings is None else bindings
         total = 0
         for t in self.inputs + self.outputs:
             spec = self.graph.tensors.get(t)

@@ -110,6 +110,9 @@ class Bid(_Strict):
     latency_s: float = Field(ge=0.0, description="Predicted wall time of one run of the subgraph.")
     peak_memory_bytes: int = Field(ge=0, description="Device memory the compiled subgraph needs.")
     precision: DType = Field(description="Precision the subgraph computes in.")
+    fixed_overhead_s: float = Field(
+        0.0, ge=0.0, description="Part of latency_s paid once per compiled call (dispatch), not per op."
+    )
     source: Literal["roofline", "calibrated", "measured", "other"] = "roofline"
     note: str = ""
 
