@@ -61,7 +61,7 @@ def run(index: int, compute_capability: tuple[int, int], free_bytes: int) -> Mea
         numel = min(256 << 20, free_bytes // 8) // 4
         src = torch.empty(numel, device=device, dtype=torch.float32)
         dst = torch.empty_like(src)
-        seconds = _time_cuda(torch, lambda: dst.copy_(src), iters=20)
+        seconds = _time_cuda(torch, lambda src=src, dst=dst: dst.copy_(src), iters=20)
         bandwidth = 2.0 * numel * 4 / seconds
         del src, dst
         torch.cuda.empty_cache()

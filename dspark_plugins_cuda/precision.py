@@ -20,7 +20,8 @@ def _new_api(torch: Any) -> bool:
     # torch >= 2.9 has per-backend ``fp32_precision``; mixing it with the
     # legacy ``allow_tf32`` flags makes torch raise, so use one or the other.
     conv = getattr(torch.backends.cudnn, "conv", None)
-    return conv is not None and hasattr(conv, "fp32_precision") and hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    matmul = torch.backends.cuda.matmul
+    return conv is not None and hasattr(conv, "fp32_precision") and hasattr(matmul, "fp32_precision")
 
 
 @contextmanager

@@ -34,16 +34,19 @@ class TorchCuda:
         and honours CUDA_VISIBLE_DEVICES, so indices alone can disagree.
         """
         if uuid and self.gpus:
+            # No match: hidden by CUDA_VISIBLE_DEVICES, or split into MIG instances.
             return self.gpus.get(normalize_uuid(uuid))
-        # No UUIDs to compare (old torch): only an unfiltered, same-size view is safe.
-        if not self.gpus and len(self.by_order) == nvml_count and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # No UUIDs to compare (old torch): only an unfiltered, same-size view
+        # is safe to pair by position.
+        if len(self.by_order) == nvml_count and "CUDA_VISIBLE_DEVICES" not in os.environ:
             return self.by_order[nvml_index]
         return None
 
 
 def normalize_uuid(uuid: str) -> str:
+    """NVML says "GPU-8e7f...-..."; torch prints the bare UUID. Compare hex digits only."""
     u = uuid.strip().lower()
-    return u[4:] if u.startswith("gpu-") else u
+    return (u[4:] if u.startswith("gpu-") else u).replace("-", "")
 
 
 def torch_version() -> str:
@@ -76,7 +79,8 @@ def torch_cuda() -> TorchCuda:
                                 "install a CUDA build of torch to use this GPU")
     if not torch.cuda.is_available():
         try:
-            torch.cuda.init()  # raises with the real cause (driver too old, no device visible, ...)
+            # Raises with the real cause (driver too old for this CUDA build, no device visible, ...).
+            torch.cuda.init()  # type: ignore[no-untyped-call]
             cause = "torch.cuda.is_available() is False"
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"

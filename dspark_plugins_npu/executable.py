@@ -17,7 +17,13 @@ def ep_of(device: Device) -> tuple[str, int]:
 
 
 def serialize(subgraph: Subgraph) -> bytes:
-    return bytes(subgraph.to_onnx().SerializeToString())
+    model = subgraph.to_onnx()
+    # to_onnx() imports only the default domain's opset; ORT rejects a node of any
+    # other domain (com.microsoft contrib ops, custom ops) without its own import.
+    imported = {o.domain for o in model.opset_import}
+    for domain in sorted({n.domain for n in model.graph.node} - imported - {"ai.onnx"}):
+        model.opset_import.add(domain=domain, version=1)
+    return bytes(model.SerializeToString())
 
 
 class OrtExecutable:

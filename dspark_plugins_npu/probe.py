@@ -46,7 +46,8 @@ def _probe_ep(ep: str, refresh: bool, common: dict[str, Any]) -> list[Device | U
     for index in providers.device_indices(ep):
         what = ep if len(providers.device_indices(ep)) == 1 else f"{ep} on {providers.device_id(ep, index)}"
         try:
-            session.create(models.PROBE_MODEL, ep, index)
+            # Not strict: a fallback shows in get_providers(), and that is the reason we report.
+            session.create(models.PROBE_MODEL, ep, index, strict=False)
             figures = bench.measure(ep, index, refresh)
         except session.EpUnusable as exc:
             out.append(Unavailable(what=what, reason=str(exc)))

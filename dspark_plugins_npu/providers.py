@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from dspark.types import DeviceKind, DType
 
@@ -104,8 +104,3 @@ def device_indices(ep: str) -> list[int]:
 
 def runtime_name(ep: str) -> str:
     return f"onnxruntime/{ep}"
-
-
-def describe(ep: str) -> dict[str, Any]:
-    i = info(ep)
-    return {"kind": i.kind, "precision": i.precision, "library": i.library}

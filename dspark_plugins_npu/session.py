@@ -84,10 +84,10 @@ def hardware_hint(ep: str) -> str | None:
     return None
 
 
-def session_options(*, strict: bool, log_level: int = 3, record_assignment: bool = False) -> Any:
+def session_options(*, strict: bool, log_level: int = _ORT_SILENT, record_assignment: bool = False) -> Any:
     rt = ort()
     so = rt.SessionOptions()
-    so.log_severity_level = log_level  # errors only: failures are reported through dspark
+    so.log_severity_level = log_level  # every failure reaches the caller as an exception
     so.graph_optimization_level = rt.GraphOptimizationLevel.ORT_ENABLE_ALL
     if strict:
         # Fail session creation when the EP does not claim every node, instead of
@@ -113,16 +113,16 @@ def create(model: bytes, ep: str, index: int = 0, *, strict: bool | None = None,
         # enable_fallback=0: raise instead of ORT's print-and-retry-on-CPU.
         sess = rt.InferenceSession(model, so, providers=[(ep, opts)] if opts else [ep], enable_fallback=0)
     except Exception as exc:
-        raise EpUnusable(_explain(ep, f"session creation failed: {clean_error(exc)}")) from exc
+        raise EpUnusable(_explain(ep, f"creating a session on {ep} failed: {clean_error(exc)}")) from exc
     used = sess.get_providers()
     if ep not in used:
-        raise EpUnusable(_explain(ep, f"session fell back to {', '.join(used) or 'nothing'}: "
+        raise EpUnusable(_explain(ep, f"a session asked for {ep} fell back to {', '.join(used) or 'nothing'}: "
                                       "provider library failed to load"))
     return sess
 
 
 def _explain(ep: str, what: str) -> str:
-    parts = [f"{ep}: {what}"]
+    parts = [what]
     for extra in (library_problem(ep), hardware_hint(ep)):
         if extra:
             parts.append(extra)

@@ -1,0 +1,39 @@
+"""dspark_bid: a roofline over the measured figures plus per-op kernel launch cost."""
+
+from __future__ import annotations
+
+from dspark.cost import roofline
+from dspark.graph import Subgraph
+from dspark.types import Bid, Device
+
+# An eager torch op on CUDA costs one or more kernel launches plus Python
+# dispatch; ~7 us is typical before calibration replaces it.
+LAUNCH_OVERHEAD_S = 7e-6
+
+
+def unsupported_ops(subgraph: Subgraph) -> list[str]:
+    from dspark.builtin.torch_ops import KERNELS
+
+    return [op.op_type for op in subgraph.ops if op.domain not in ("", "ai.onnx") or op.op_type not in KERNELS]
+
+
+def peak_memory_bytes(subgraph: Subgraph) -> int:
+    """Weights + inputs + every tensor the ops produce: an upper bound, since
+    eager execution keeps intermediates alive until the run ends."""
+    tensors = subgraph.graph.tensors
+    produced = [t for op in subgraph.ops for t in op.outputs if t]
+    act = sum((tensors[t].nbytes() or 0) for t in subgraph.inputs + produced if t in tensors)
+    return subgraph.param_bytes + act
+
+
+def bid(subgraph: Subgraph, device: Device) -> Bid | None:
+    if subgraph.quantized_by is not None:
+        return None  # another plugin's quantized payload; this plugin has no such kernels
+    if unsupported_ops(subgraph):
+        return None  # no CUDA kernel; the torch reference falls back to the host for those
+    memory = peak_memory_bytes(subgraph)
+    if device.memory_free_bytes is not None and memory > device.memory_free_bytes:
+        return None  # would not fit in what is free on the GPU right now
+    latency = roofline(subgraph, device, "float32", op_overhead_s=LAUNCH_OVERHEAD_S)
+    return Bid(device_id=device.id, runtime=device.runtime, latency_s=latency,
+               peak_memory_bytes=memory, precision="float32", source="roofline")

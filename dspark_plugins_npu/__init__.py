@@ -1,0 +1,48 @@
+"""dspark plugin ``npu``: ONNX Runtime execution providers (QNN, OpenVINO, CANN, CUDA, CPU ...).
+
+Every provider the installed ONNX Runtime build lists is tried for real and
+reported as a device or as unavailable with the reason. Importing this
+module imports neither onnxruntime nor onnx: the hooks do, so ``dspark
+devices`` stays fast.
+
+Modules: :mod:`.providers` (provider -> device table), :mod:`.session`
+(sessions that never fall back silently), :mod:`.bench` (cached
+microbenchmarks), :mod:`.probe`, :mod:`.bidding`, :mod:`.executable`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dspark.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from dspark.graph import Subgraph
+    from dspark.types import Bid, Device, Unavailable
+    from dspark_plugins_npu.executable import OrtExecutable
+
+DSPARK_API_VERSION = "1.0"
+PLUGIN_NAME = "npu"
+
+
+@hookimpl
+def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable]:
+    from dspark_plugins_npu.probe import probe
+
+    return probe(refresh)
+
+
+@hookimpl
+def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
+    from dspark_plugins_npu.bidding import bid
+
+    return bid(subgraph, device, PLUGIN_NAME)
+
+
+@hookimpl
+def dspark_compile(subgraph: Subgraph, device: Device) -> OrtExecutable | None:
+    from dspark_plugins_npu.executable import OrtExecutable
+
+    if subgraph.quantized_by not in (None, PLUGIN_NAME) or "execution_provider" not in device.properties:
+        return None
+    return OrtExecutable(subgraph, device)

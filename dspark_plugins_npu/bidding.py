@@ -1,0 +1,69 @@
+"""Bids: can the execution provider run a subgraph, and how long will it take.
+
+"Can run" is decided by ONNX Runtime itself: a session is created on the
+subgraph (strictly, for non-CPU providers, so every node must be claimed by
+the provider). The verdict is cached per subgraph signature and provider;
+the signature ignores weight values, which do not change what ORT accepts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from dspark.cost import roofline
+from dspark.graph import Subgraph
+from dspark.log import get_logger
+from dspark.types import Bid, Device
+from dspark_plugins_npu import providers, session
+from dspark_plugins_npu.executable import ep_of, serialize
+
+log = get_logger("dspark_plugins_npu")
+
+_MAX_VERDICTS = 4096
+_verdicts: OrderedDict[tuple[str, str, int], str | None] = OrderedDict()
+_lock = threading.Lock()
+
+
+def why_not(subgraph: Subgraph, ep: str, index: int) -> str | None:
+    """None when ``ep`` can run ``subgraph``; otherwise the reason (cached)."""
+    key = (subgraph.signature(), ep, index)
+    with _lock:
+        if key in _verdicts:
+            _verdicts.move_to_end(key)
+            return _verdicts[key]
+    try:
+        session.create(serialize(subgraph), ep, index)
+        verdict: str | None = None
+    except session.EpUnusable as exc:
+        verdict = str(exc)
+    except Exception as exc:  # e.g. no shape known for a boundary tensor
+        verdict = f"cannot export the subgraph to ONNX: {exc}"
+    with _lock:
+        _verdicts[key] = verdict
+        while len(_verdicts) > _MAX_VERDICTS:
+            _verdicts.popitem(last=False)
+    return verdict
+
+
+def bid(subgraph: Subgraph, device: Device, plugin: str) -> Bid | None:
+    if subgraph.quantized_by not in (None, plugin):
+        return None  # another plugin's packed weights mean nothing to ONNX Runtime
+    if "execution_provider" not in device.properties:
+        return None
+    ep, index = ep_of(device)
+    if (reason := why_not(subgraph, ep, index)) is not None:
+        log.debug("bid.abstain", ep=ep, ops=[op.op_type for op in subgraph.ops][:8], reason=reason)
+        return None
+    precision = providers.info(ep).precision
+    call_overhead = float(device.properties.get("call_overhead_s", 0.0))
+    latency = roofline(subgraph, device, precision, call_overhead_s=call_overhead,
+                       op_overhead_s=float(device.properties.get("op_overhead_s", 2e-6)))
+    return Bid(device_id=device.id, runtime=providers.runtime_name(ep), latency_s=latency,
+               peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(), precision=precision,
+               fixed_overhead_s=call_overhead, source="roofline")
+
+
+def clear() -> None:
+    with _lock:
+        _verdicts.clear()
