@@ -12,7 +12,7 @@ LAUNCH_OVERHEAD_S = 7e-6
 
 
 def unsupported_ops(subgraph: Subgraph) -> list[str]:
-    from dspark.builtin.torch_ops import KERNELS
+    from dspark.builtin.op_names import TORCH_KERNEL_OPS as KERNELS
 
     return [op.op_type for op in subgraph.ops if op.domain not in ("", "ai.onnx") or op.op_type not in KERNELS]
 

@@ -202,3 +202,10 @@ def test_torch_reference_runs_what_it_bids_on() -> None:
     exe = host.call("torch", "dspark_compile", subgraph=sub, device=device)
     x = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], dtype=np.float32)
     np.testing.assert_array_equal(exe.run({"x": x})["y"], np.maximum(x, 0))
+
+
+def test_torch_op_name_table_matches_kernels() -> None:
+    from dspark.builtin.op_names import TORCH_KERNEL_OPS
+    from dspark.builtin.torch_ops import KERNELS
+
+    assert set(KERNELS) == TORCH_KERNEL_OPS

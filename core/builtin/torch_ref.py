@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dspark import cache, hostinfo
+from dspark.builtin.op_names import TORCH_KERNEL_OPS
 from dspark.cost import roofline
 from dspark.graph import Op, Subgraph
 from dspark.hookspecs import hookimpl
@@ -94,9 +95,7 @@ def dspark_probe_devices(refresh: bool) -> list[Device]:
 
 
 def _supported(op: Op) -> bool:
-    from dspark.builtin.torch_ops import KERNELS
-
-    return op.domain in ("", "ai.onnx") and op.op_type in KERNELS
+    return op.domain in ("", "ai.onnx") and op.op_type in TORCH_KERNEL_OPS
 
 
 @hookimpl
