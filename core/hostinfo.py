@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,12 @@ def fingerprint() -> dict[str, Any]:
     return {"host": platform.node(), "model": s["model"], "cores": s["usable_cores"], "isa": s["isa_features"]}
 
 
+# Plugins probe concurrently; CPU microbenchmarks running at the same time
+# would share the cores and cache figures that are too low. Every CPU
+# microbenchmark runs under this lock.
+cpu_benchmark_lock = threading.Lock()
+
+
 def memory_bandwidth(refresh: bool = False) -> float:
     """Host memory bandwidth in bytes/s, by a short copy microbenchmark (cached on disk)."""
     from dspark import cache
@@ -97,10 +104,11 @@ def memory_bandwidth(refresh: bool = False) -> float:
     src = np.ones(32 * 1024 * 1024 // 8, dtype=np.float64)  # 32 MiB: past the caches
     dst = np.empty_like(src)
     best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
+    with cpu_benchmark_lock:
+        for _ in range(7):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - t0)
     value = 2 * src.nbytes / best  # read + write
     cache.store("hostinfo", key, value)
     return value

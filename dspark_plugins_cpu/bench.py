@@ -33,8 +33,11 @@ def measure(ov_name: str, full_name: str, capabilities: list[str], refresh: bool
     key = cache_key(ov_name, full_name)
     if not refresh and (hit := cache.load(CACHE_NAMESPACE, key)) is not None:
         return dict(hit)
-    t0 = time.perf_counter()
-    result = _measure(ov_name, capabilities)
+    from dspark.hostinfo import cpu_benchmark_lock
+
+    with cpu_benchmark_lock:  # not while another plugin benchmarks the same cores
+        t0 = time.perf_counter()
+        result = _measure(ov_name, capabilities)
     result["measured_in_s"] = round(time.perf_counter() - t0, 3)
     cache.store(CACHE_NAMESPACE, key, result)
     return result
@@ -94,7 +97,7 @@ def _runs_int8(request: Any) -> bool:
             if info["layerType"].astype(str) in ("FullyConnected", "MatMul", "Gemm") and \
                     info["runtimePrecision"].astype(str) in ("u8", "i8"):
                 return True
-    except Exception:  # noqa: BLE001 - no runtime graph on this device: cannot tell, so do not claim it
+    except Exception:  # no runtime graph on this device: cannot tell, so do not claim it
         return False
     return False
 

@@ -42,6 +42,6 @@ def read_properties(core: Any, ov_name: str) -> dict[str, Any]:
             continue
         try:
             out[str(name)] = jsonable(core.get_property(ov_name, name))
-        except Exception:  # noqa: BLE001 - some getters are not bound in Python; skip them
+        except Exception:  # some getters are not bound in Python; skip them
             continue
     return out

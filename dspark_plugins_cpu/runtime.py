@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import openvino as ov
 
-    from dspark.types import Device
+    from dspark.types import Device, DType
 
 RUNTIME_PREFIX = "openvino/"
 
@@ -73,6 +73,6 @@ def compile_config(ov_name: str) -> dict[str, Any]:
     return config
 
 
-def precision(ov_name: str) -> str:
+def precision(ov_name: str) -> DType:
     """The dspark precision a subgraph compiled with :func:`compile_config` computes in."""
     return "float16" if ov_name.startswith("NPU") else "float32"

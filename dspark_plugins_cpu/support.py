@@ -45,11 +45,11 @@ def _query(subgraph: Subgraph, ov_name: str) -> str | None:
         return "NPU compiles static shapes only"
     try:
         model = read_model(subgraph)
-    except Exception as exc:  # noqa: BLE001 - the ONNX frontend has no conversion for some op
+    except Exception as exc:  # the ONNX frontend has no conversion for some op
         return f"OpenVINO cannot read it: {_first_line(exc)}"
     try:
         claimed = runtime.core().query_model(model, ov_name)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"query_model failed: {_first_line(exc)}"
     missing = [op.get_friendly_name() for op in model.get_ops() if op.get_friendly_name() not in claimed]
     if missing:

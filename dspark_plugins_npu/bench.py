@@ -31,10 +31,13 @@ def measure(ep: str, index: int, refresh: bool) -> dict[str, float]:
     key = cache_key(ep, index)
     if not refresh and (hit := cache.load(NAMESPACE, key)) is not None:
         return {k: float(v) for k, v in hit.items()}
-    result = {
-        "float32_flops": _matmul_flops(ep, index),
-        **_overheads(ep, index),
-    }
+    from dspark.hostinfo import cpu_benchmark_lock
+
+    with cpu_benchmark_lock:  # also for GPU EPs: the host thread's timing must not be contended
+        result = {
+            "float32_flops": _matmul_flops(ep, index),
+            **_overheads(ep, index),
+        }
     cache.store(NAMESPACE, key, result)
     return result
 

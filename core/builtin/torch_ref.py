@@ -41,16 +41,23 @@ def _nvidia_driver_present() -> bool:
 
 
 def _peak_flops(device: str, refresh: bool) -> dict[str, float]:
-    key = {"bench": "torch-matmul-v1", "device": device, "torch": _torch_version(),
+    key = {"bench": "torch-matmul-v2", "device": device, "torch": _torch_version(),
            **(hostinfo.fingerprint() if device == "cpu" else {"host": platform.node()})}
     if not refresh and (hit := cache.load("torch_ref", key)) is not None:
         return dict(hit)
     import torch
 
-    from dspark.cost import time_call
-
     result: dict[str, float] = {}
     n = 512 if device == "cpu" else 4096
+    with hostinfo.cpu_benchmark_lock:
+        _measure_into(result, torch, device, n)
+    cache.store("torch_ref", key, result)
+    return result
+
+
+def _measure_into(result: dict[str, float], torch: Any, device: str, n: int) -> None:
+    from dspark.cost import time_call
+
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
@@ -61,8 +68,6 @@ def _peak_flops(device: str, refresh: bool) -> dict[str, float]:
                 torch.cuda.synchronize(device)
 
         result[name] = 2.0 * n**3 / time_call(mm, warmup=2, repeat=5, budget_s=0.5)
-    cache.store("torch_ref", key, result)
-    return result
 
 
 @hookimpl
