@@ -12,6 +12,7 @@ import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -65,7 +66,7 @@ class _Builder:
         self.inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def node(self, op_type: str, inputs: list[str], output: str, **attrs: object) -> str:
+    def node(self, op_type: str, inputs: list[str], output: str, **attrs: Any) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attrs))
         return output
 
@@ -95,7 +96,7 @@ def _binary(op: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], b_init:
     return make
 
 
-def _unary(op: str, positive: bool = False, **attrs: object) -> Callable[[], OpCase]:
+def _unary(op: str, positive: bool = False, **attrs: Any) -> Callable[[], OpCase]:
     def make() -> OpCase:
         b = _Builder(op)
         v = b.randn(2, 3, 8)
