@@ -130,6 +130,9 @@ def demo(as_json: JsonOpt = False, plugin: PluginOpt = None,
         raise typer.Exit(1)
 
 
+from dspark import cli_plan as _cli_plan  # noqa: E402,F401  (registers plan/run)
+
+
 def main() -> None:
     import os
     import threading

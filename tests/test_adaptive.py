@@ -1,0 +1,186 @@
+"""Adaptive execution: a backend that turns out slow loses its ops; shrinking memory forces a re-plan;
+concurrent callers are all served, correctly, across a plan swap."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from dspark import TOLERANCES, hookimpl
+from dspark.adaptive import AdaptiveRunner, plan_memory_needs
+from dspark.demo import demo_graph
+from dspark.executor import random_inputs, reference_outputs
+from dspark.graph import Graph, Subgraph
+from dspark.inventory import Inventory, probe
+from dspark.placer import MEMORY_HEADROOM
+from dspark.plugin_manager import PluginHost
+from dspark.settings import PluginSettings
+from dspark.types import Bid, Device
+
+import dspark_plugins_cpu as openvino
+
+RTOL, ATOL = TOLERANCES["float32"]
+EXTRA_S = 0.02
+
+
+class Sleepy:
+    def __init__(self, exe: Any, extra_s: float) -> None:
+        self.exe, self.extra_s = exe, extra_s
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(self.extra_s)
+        out: dict[str, np.ndarray] = self.exe.run(inputs)
+        return out
+
+
+class SlowOpenVINO:
+    """The real OpenVINO plugin, except that every compiled call sleeps ``extra_s`` more.
+
+    Its bids are OpenVINO's own, scaled down so that the first plan surely
+    lands here whatever the other runtimes' calibrated bids say.
+    """
+
+    DSPARK_API_VERSION = "1.0"
+
+    def __init__(self, extra_s: float = EXTRA_S) -> None:
+        self.extra_s = extra_s
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return openvino.dspark_probe_devices(refresh)
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Subgraph, device: Device) -> Bid | None:
+        bid = openvino.dspark_bid(subgraph, device)
+        if bid is None:
+            return None
+        return bid.model_copy(update={"latency_s": bid.latency_s / 20, "fixed_overhead_s": bid.fixed_overhead_s / 20})
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> Sleepy | None:
+        exe = openvino.dspark_compile(subgraph, device)
+        return None if exe is None else Sleepy(exe, self.extra_s)
+
+
+class FakeNPU:
+    """A host-emulated ``npu:0`` that bids very low and runs with ONNX Runtime."""
+
+    DSPARK_API_VERSION = "1.0"
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [Device(id="npu:0", kind="npu", name="fake npu", runtime="fake/npu", memory_total_bytes=1 << 30,
+                       memory_free_bytes=1 << 30, peak_flops={"float32": 1e13}, host_link_bandwidth_bytes_per_s=1e11)]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Subgraph, device: Device) -> Bid:
+        return Bid(device_id=device.id, runtime=device.runtime, latency_s=1e-7 * len(subgraph.ops),
+                   peak_memory_bytes=subgraph.param_bytes, precision="float32")
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> Any:
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(subgraph.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+        names = list(subgraph.outputs)
+
+        class Exe:
+            def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+                return dict(zip(names, sess.run(names, inputs), strict=True))
+
+        return Exe()
+
+
+def slow_host() -> tuple[PluginHost, Inventory]:
+    # Only the slowed OpenVINO and the real ONNX Runtime CPU EP ("npu" plugin) compete.
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    host.register(SlowOpenVINO(), "slow-ov")  # before probing
+    host.load()
+    inv = probe(host)
+    if {f"{d.plugin}@{d.id}" for d in inv.drivers()} != {"slow-ov@cpu", "npu@cpu"}:
+        pytest.skip(f"OpenVINO or ONNX Runtime missing: {[p.model_dump() for p in inv.plugins]}")
+    return host, inv
+
+
+@pytest.fixture(scope="module")
+def demo() -> tuple[Graph, dict[str, np.ndarray], np.ndarray]:
+    graph = demo_graph()
+    x = random_inputs(graph, seed=2)
+    return graph, x, reference_outputs(graph, x)["y"]
+
+
+def targets(runner: AdaptiveRunner) -> set[str]:
+    return {p.target.key for p in runner.plan.partitions}
+
+
+def test_slow_backend_loses_its_ops(demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    graph, x, ref = demo
+    host, inv = slow_host()
+    runner = AdaptiveRunner(graph, host, inv, threshold=0.1, min_runs=3)
+    assert "slow-ov@cpu" in targets(runner), runner.plan.gate
+    for _ in range(8):
+        np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    assert "slow-ov@cpu" not in targets(runner), runner.replans
+    assert runner.replans and runner.replans[0].startswith("faster")
+    # The correction learnt that slow-ov is far slower than it bid.
+    assert min(v for (p, _, _), v in runner.corrections().items() if p == "slow-ov") > 5
+    err = runner.prediction_error("slow-ov@cpu")
+    assert err["uncorrected"] is not None and err["uncorrected"] > 0.9  # it bid far too low
+    assert err["corrected"] is not None and err["corrected"] < 0.5
+    versions = [r.plan_version for r in runner.history]
+    assert versions[0] == 0 and versions[-1] >= 1
+
+
+def test_concurrent_callers_are_all_served_across_a_swap(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    graph, x, ref = demo
+    host, inv = slow_host()
+    runner = AdaptiveRunner(graph, host, inv, min_runs=2)
+    assert "slow-ov@cpu" in targets(runner), runner.plan.gate
+    results: list[np.ndarray] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        try:
+            for _ in range(5):
+                y = runner.run(x)["y"]
+                with lock:
+                    results.append(y)
+        except BaseException as exc:  # reported below, not lost in a thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == 20 and len(runner.history) == 20
+    for y in results:
+        np.testing.assert_allclose(y, ref, rtol=RTOL, atol=ATOL)
+    assert runner.replans and "slow-ov@cpu" not in targets(runner)
+    assert {r.plan_version for r in runner.history} >= {0, 1}
+
+
+def test_memory_shrinking_below_the_plan_forces_a_replan(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    graph, x, ref = demo
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    host.register(FakeNPU(), "fakenpu")
+    host.load()
+    inv = probe(host)
+    free: dict[str, int | None] = {"npu:0": 1 << 30}
+    runner = AdaptiveRunner(graph, host, inv, free_memory=lambda: dict(free), min_runs=1000)
+    assert targets(runner) == {"fakenpu@npu:0"}
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    assert runner.replans == []
+    need = plan_memory_needs(graph, runner.plan)["npu:0"]
+    free["npu:0"] = need // 4  # another process took the NPU's memory
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)  # served on the old plan
+    assert len(runner.replans) == 1 and runner.replans[0].startswith("memory: npu:0 needs")
+    assert plan_memory_needs(graph, runner.plan).get("npu:0", 0) <= free["npu:0"] * MEMORY_HEADROOM
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)

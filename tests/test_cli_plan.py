@@ -1,0 +1,197 @@
+"""``dspark plan`` / ``dspark run`` end to end, and planning against device profiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from dspark import placer
+from dspark.demo import demo_graph, demo_onnx
+from dspark.graph import Graph
+from dspark.placer_ilp import solve
+from dspark.profile import ProfileError, load_profile, parse_profile, profile_host
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "tests" / "profiles"
+
+
+def dspark(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    # Only the CPU runtimes: keeps the subprocesses lean on a shared machine.
+    env = dict(os.environ, DSPARK_PLUGINS="no:cuda,no:ngram")
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "block.onnx"
+    onnx.save(demo_onnx(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved_plan(model: Path) -> tuple[Path, dict[str, object]]:
+    path = model.parent / "plan.json"
+    r = dspark("plan", str(model), "--json", "--save", str(path))
+    assert r.returncode == 0, r.stderr
+    return path, json.loads(r.stdout)
+
+
+def test_commands_registered_when_the_console_script_imports_the_cli() -> None:
+    import dspark.cli
+
+    names = {c.name or c.callback.__name__ for c in dspark.cli.app.registered_commands if c.callback}
+    assert {"plan", "run", "devices", "demo"} <= names
+
+
+def test_plan_json_lists_partitions_and_total(saved_plan: tuple[Path, dict[str, object]]) -> None:
+    path, data = saved_plan
+    parts = data["partitions"]
+    assert isinstance(parts, list) and parts
+    ops = [op for p in parts for op in p["ops"]]
+    assert sorted(ops) == sorted(op.name for op in demo_graph().ops)
+    for p in parts:
+        assert {"device", "plugin", "ops", "predicted_ms"} <= set(p)
+    assert data["predicted_total_ms"] > 0 and data["gate"]
+    assert json.loads(path.read_text())["graph_fingerprint"] == data["graph_fingerprint"]
+
+
+def test_run_reuses_a_matching_saved_plan(model: Path, saved_plan: tuple[Path, dict[str, object]],
+                                          tmp_path: Path) -> None:
+    path, _ = saved_plan
+    x = np.random.default_rng(0).standard_normal((1, 32, 64)).astype(np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    r = dspark("run", str(model), "--plan", str(path), "--inputs", str(tmp_path / "x.npz"), "--repeat", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["plan_source"] == "loaded" and report["replan_reason"] is None
+    assert report["ok"] and report["max_abs_error"] < 1e-3
+    assert all(p["measured_ms"] > 0 for p in report["partitions"])
+    assert report["measured_total_ms"] > 0
+
+
+def test_run_replans_when_the_model_changed(model: Path, saved_plan: tuple[Path, dict[str, object]],
+                                            tmp_path: Path) -> None:
+    _, data = saved_plan
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({**data, "graph_fingerprint": "0" * 16}))
+    r = dspark("run", str(model), "--plan", str(stale), "--repeat", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["plan_source"] == "planned" and "model changed" in report["replan_reason"]
+    assert report["ok"]
+
+
+def test_plan_against_a_profile_uses_its_devices() -> None:
+    r = dspark("plan", "demo", "--json", "--devices", str(PROFILES / "edge_box.yaml"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {p["device"] for p in data["partitions"]} <= {"cpu", "gpu:0", "npu:0"}
+    r = dspark("plan", "demo", "--devices", str(PROFILES / "edge_box.yaml"))
+    assert r.returncode == 0 and "predicted total" in r.stdout and "gate" in r.stdout
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.onnx"
+    r = dspark("plan", str(missing), "--json")
+    assert r.returncode == 2
+    assert str(missing) in r.stderr and "Traceback" not in r.stderr + r.stdout
+
+
+def test_bad_profile_field_is_a_clear_error(tmp_path: Path) -> None:
+    data = yaml.safe_load((PROFILES / "edge_box.yaml").read_text())
+    data["devices"][1]["peak_flops"]["float16"] = -1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=r"devices\.1\.peak_flops\.float16"):
+        parse_profile(bad)
+    r = dspark("plan", "demo", "--devices", str(bad))
+    assert r.returncode == 2
+    assert str(bad) in r.stderr and "devices.1.peak_flops.float16" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+# -- profiles, in process ------------------------------------------------------
+
+def test_profiles_load_with_units() -> None:
+    inv = load_profile(PROFILES / "edge_box.yaml")
+    gpu = inv.device("gpu:0")
+    assert gpu.memory_total_bytes == 4 * 2**30 and gpu.peak_flops["float16"] == 16e12
+    assert {d.plugin for d in inv.drivers()} == {"cpu", "torch", "cuda", "npu"}
+    assert inv.device("npu:0").dtypes == ["float16", "int8"]
+
+
+def mlp_graph(layers: int = 4, dim: int = 1024, batch: int = 256) -> Graph:
+    """Compute-heavy MLP, 4 MiB of weights per layer: the GPU is worth using, but cannot hold it all."""
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array(rng.standard_normal((dim, dim), dtype=np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Relu", [f"m{i}"], [f"h{i}"], name=f"relu{i}")]
+        x = f"h{i}"
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, dim])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, [batch, dim])], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return Graph.from_onnx(model, name="mlp")
+
+
+def small_gpu_profile(tmp_path: Path) -> Path:
+    """The shipped edge box with its GPU memory scaled down to 10 MiB (the MLP holds 16 MiB of weights)."""
+    data = yaml.safe_load((PROFILES / "edge_box.yaml").read_text())
+    data["devices"][1]["memory_total_bytes"] = "10 MiB"
+    path = tmp_path / "small_gpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def gpu_weights(graph: Graph, assignment: dict[str, str]) -> int:
+    return sum(graph.op(op).param_bytes for op, key in assignment.items() if key.endswith("@gpu:0"))
+
+
+def test_weights_over_the_gpu_budget_split_the_model_solver(tmp_path: Path) -> None:
+    graph = mlp_graph()
+    host, inv = profile_host(small_gpu_profile(tmp_path))
+    table = placer.collect_op_bids(host, inv, graph)
+    problem = placer.build_problem(graph, inv, table)
+    assignment, _, _ = solve(problem)
+    chosen = {op.name: problem.targets[a] for op, a in zip(graph.ops, assignment, strict=True)}
+    budget = inv.device("gpu:0").memory_free_bytes * placer.MEMORY_HEADROOM  # type: ignore[operator]
+    assert sum(op.param_bytes for op in graph.ops) > budget
+    assert 0 < gpu_weights(graph, chosen) <= budget
+    assert len(set(chosen.values())) > 1
+
+
+@pytest.mark.xfail(strict=True, reason="placer.plan's single-target gate does not check memory budgets: it "
+                                       "returns the whole model on the GPU although its weights exceed the budget")
+def test_weights_over_the_gpu_budget_split_the_model(tmp_path: Path) -> None:
+    graph = mlp_graph()
+    host, inv = profile_host(small_gpu_profile(tmp_path))
+    plan = placer.plan(graph, host, inv)
+    budget = inv.device("gpu:0").memory_free_bytes * placer.MEMORY_HEADROOM  # type: ignore[operator]
+    assert len(plan.partitions) > 1
+    assert gpu_weights(graph, plan.assignment()) <= budget
+
+
+def test_cpu_only_box_gives_one_partition() -> None:
+    graph = demo_graph()
+    host, inv = profile_host(PROFILES / "cpu_box.yaml")
+    plan = placer.plan(graph, host, inv)
+    assert len(plan.partitions) == 1 and plan.partitions[0].device == "cpu"
+
+
+def test_profile_runtime_abstains_on_unsupported_ops() -> None:
+    graph = demo_graph()
+    host, inv = profile_host(PROFILES / "edge_box.yaml")
+    table = placer.collect_op_bids(host, inv, graph)
+    assert "npu@npu:0" not in table.op_bids["softmax"] and "npu@npu:0" in table.op_bids["q_proj"]
+    assert table.op_bids["q_proj"]["npu@npu:0"].precision == "float16"

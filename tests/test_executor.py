@@ -1,0 +1,208 @@
+"""The heterogeneous executor: forced splits across runtimes match the fp32 torch reference,
+independent partitions on different devices overlap, failures name partition, plugin and op."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import onnx
+import pytest
+from dspark import TOLERANCES, hookimpl
+from dspark.demo import demo_graph
+from dspark.executor import (
+    PartitionFailed,
+    PlanError,
+    compile_plan,
+    dependencies,
+    forced_plan,
+    random_inputs,
+    reference_outputs,
+)
+from dspark.graph import Graph, Subgraph
+from dspark.inventory import Inventory, probe
+from dspark.plugin_manager import PluginHost
+from dspark.settings import PluginSettings
+from dspark.types import Bid, Device
+from onnx import TensorProto, helper, numpy_helper
+
+RUNTIMES = ["cpu@cpu", "npu@cpu", "torch@cpu"]  # OpenVINO, ONNX Runtime CPU EP, torch
+RTOL, ATOL = TOLERANCES["float32"]
+
+
+class OrtExe:
+    """Runs a subgraph with ONNX Runtime on the host; optionally sleeps, fails or returns float64."""
+
+    def __init__(self, sub: Subgraph, sleep_s: float = 0.0, fail: bool = False) -> None:
+        import onnxruntime as ort
+
+        self.sess = ort.InferenceSession(sub.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+        self.outputs, self.sleep_s, self.fail = list(sub.outputs), sleep_s, fail
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fail:
+            raise RuntimeError("kernel exploded")
+        time.sleep(self.sleep_s)
+        values = self.sess.run(self.outputs, inputs)
+        return {n: v.astype(np.float64) for n, v in zip(self.outputs, values, strict=True)}
+
+
+class FakeAccel:
+    """Three host-emulated accelerators (``npu:0``, ``gpu:0``, ``other:0``) whose calls take ``sleep_s``."""
+
+    DSPARK_API_VERSION = "1.0"
+
+    def __init__(self, sleep_s: float = 0.0, fail: bool = False) -> None:
+        self.sleep_s, self.fail = sleep_s, fail
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [Device(id=i, kind=k, name=f"fake {k}", runtime=f"fake/{k}", memory_free_bytes=1 << 30,
+                       peak_flops={"float32": 1e12}, host_link_bandwidth_bytes_per_s=1e10)
+                for i, k in (("npu:0", "npu"), ("gpu:0", "gpu"), ("other:0", "other"))]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Subgraph, device: Device) -> Bid:
+        return Bid(device_id=device.id, runtime=device.runtime, latency_s=self.sleep_s, peak_memory_bytes=0,
+                   precision="float32")
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> OrtExe:
+        return OrtExe(subgraph, self.sleep_s, self.fail)
+
+
+def branchy_graph(seq: int = 16, dim: int = 32) -> Graph:
+    """Two independent branches joined at the end: x -> (MatMul, Relu) and (MatMul, Sigmoid) -> Add."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((dim, dim)).astype(np.float32) / 6, n) for n in ("wa", "wb")]
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "wa"], ["a1"], name="a_mm"), n("Relu", ["a1"], ["a2"], name="a_act"),
+             n("MatMul", ["x", "wb"], ["b1"], name="b_mm"), n("Sigmoid", ["b1"], ["b2"], name="b_act"),
+             n("Add", ["a2", "b2"], ["y"], name="join")]
+    g = helper.make_graph(nodes, "branchy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, dim])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, seq, dim])], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return Graph.from_onnx(model, name="branchy")
+
+
+@pytest.fixture(scope="module")
+def real() -> tuple[PluginHost, Inventory]:
+    host = PluginHost(PluginSettings(blocked={"cuda", "ngram"})).load()
+    inv = probe(host)
+    have = {f"{d.plugin}@{d.id}" for d in inv.drivers()}
+    missing = set(RUNTIMES) - have
+    if missing:
+        pytest.skip(f"runtimes not available here: {sorted(missing)}")
+    return host, inv
+
+
+def fake(sleep_s: float = 0.0, fail: bool = False) -> tuple[PluginHost, Inventory]:
+    host = PluginHost(PluginSettings(autoload=False))
+    host.register(FakeAccel(sleep_s, fail), "fake")
+    return host, probe(host)
+
+
+def check(graph: Graph, outputs: dict[str, np.ndarray], x: dict[str, np.ndarray]) -> None:
+    ref = reference_outputs(graph, x)
+    for name in graph.outputs:
+        assert outputs[name].dtype == ref[name].dtype
+        np.testing.assert_allclose(outputs[name], ref[name], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("target", RUNTIMES)
+def test_whole_demo_on_each_runtime(real: tuple[PluginHost, Inventory], target: str) -> None:
+    host, inv = real
+    graph = demo_graph()
+    compiled = compile_plan(graph, forced_plan(graph, inv, lambda op: target), host, inv)
+    x = random_inputs(graph)
+    check(graph, compiled.run(x), x)
+    assert list(compiled.last_timings) == [0] and compiled.last_timings[0] > 0
+
+
+def test_round_robin_split_over_three_runtimes(real: tuple[PluginHost, Inventory]) -> None:
+    host, inv = real
+    graph = demo_graph()
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    plan = forced_plan(graph, inv, lambda op: RUNTIMES[index[op] % 3])
+    assert len(plan.partitions) > 10 and {p.target.key for p in plan.partitions} == set(RUNTIMES)
+    compiled = compile_plan(graph, plan, host, inv)
+    x = random_inputs(graph, seed=5)
+    for _ in range(2):
+        check(graph, compiled.run(x), x)
+    assert set(compiled.last_timings) == {p.id for p in plan.partitions}
+    assert all(len(h) == 2 for h in compiled.history.values())
+    assert compiled.runs == 2
+
+
+def test_two_branches_on_three_runtimes(real: tuple[PluginHost, Inventory]) -> None:
+    host, inv = real
+    graph = branchy_graph()
+    where = {"a_mm": "cpu@cpu", "a_act": "cpu@cpu", "b_mm": "npu@cpu", "b_act": "npu@cpu", "join": "torch@cpu"}
+    plan = forced_plan(graph, inv, where.__getitem__)
+    deps = dependencies(graph, plan)
+    by_target = {p.target.key: p.id for p in plan.partitions}
+    assert deps[by_target["cpu@cpu"]] == set() and deps[by_target["npu@cpu"]] == set()
+    assert deps[by_target["torch@cpu"]] == {by_target["cpu@cpu"], by_target["npu@cpu"]}
+    compiled = compile_plan(graph, plan, host, inv, lock_by="target")
+    x = random_inputs(graph)
+    check(graph, compiled.run(x), x)
+    spans = compiled.last_spans
+    join = spans[by_target["torch@cpu"]]
+    assert join.start >= max(spans[by_target["cpu@cpu"]].end, spans[by_target["npu@cpu"]].end)
+
+
+def test_independent_partitions_on_different_devices_overlap() -> None:
+    host, inv = fake(sleep_s=0.15)
+    graph = branchy_graph()
+    where = {"a_mm": "fake@npu:0", "a_act": "fake@npu:0", "b_mm": "fake@gpu:0", "b_act": "fake@gpu:0",
+             "join": "fake@other:0"}
+    compiled = compile_plan(graph, forced_plan(graph, inv, where.__getitem__), host, inv)
+    x = random_inputs(graph)
+    t0 = time.perf_counter()
+    out = compiled.run(x)
+    wall = time.perf_counter() - t0
+    check(graph, out, x)  # float64 from the runtime comes back as the declared float32
+    a, b = (compiled.last_spans[p.id] for p in compiled.plan.partitions if p.ops[0] in ("a_mm", "b_mm"))
+    assert a.start < b.end and b.start < a.end, "independent partitions on two devices did not overlap"
+    assert a.thread != b.thread
+    assert wall < 3 * 0.15 + 0.1  # two branches in parallel, then the join: not 3 sequential calls + slack
+
+
+def test_partitions_on_the_same_device_take_turns() -> None:
+    host, inv = fake(sleep_s=0.05)
+    graph = branchy_graph()
+    plan = forced_plan(graph, inv, lambda op: "fake@gpu:0" if op == "join" else "fake@npu:0")
+    assert [p.device for p in plan.partitions].count("npu:0") == 2  # two independent npu:0 partitions
+    compiled = compile_plan(graph, plan, host, inv)
+    compiled.run(random_inputs(graph))
+    spans = sorted(compiled.last_spans.values(), key=lambda s: s.start)
+    for s, t in itertools.pairwise(spans):
+        assert t.start >= s.end
+
+
+def test_runtime_failure_names_partition_plugin_and_op() -> None:
+    host, inv = fake(fail=True)
+    graph = branchy_graph()
+    compiled = compile_plan(graph, forced_plan(graph, inv, lambda op: "fake@gpu:0"), host, inv)
+    with pytest.raises(PartitionFailed) as info:
+        compiled.run(random_inputs(graph))
+    msg = str(info.value)
+    assert "partition 0" in msg and "fake@gpu:0" in msg and "a_mm" in msg and "kernel exploded" in msg
+
+
+def test_plan_that_misses_an_op_is_rejected() -> None:
+    host, inv = fake()
+    graph = branchy_graph()
+    plan = forced_plan(graph, inv, lambda op: "fake@gpu:0")
+    plan.partitions[0].ops.remove("join")
+    with pytest.raises(PlanError, match="join"):
+        compile_plan(graph, plan, host, inv)
+
+
+def test_unknown_target_is_rejected() -> None:
+    _, inv = fake()
+    with pytest.raises(PlanError, match="nowhere@cpu"):
+        forced_plan(branchy_graph(), inv, lambda op: "nowhere@cpu")
