@@ -108,7 +108,9 @@ def build_problem(graph: Graph, inv: Inventory, table: BidTable,
             idx = [i for i, op in enumerate(graph.ops) if op.name in set(run)]
             separate = float(cost[idx, j].sum())
             if separate > 0 and math.isfinite(separate):
-                fused = max(bid.latency_s - bid.fixed_overhead_s, 0.0)
+                # ``separate`` carries the learned corrections; give ``fused`` the same.
+                factor = statistics.fmean(table.factor(t, graph.ops[i].op_type) for i in idx)
+                fused = max(bid.latency_s - bid.fixed_overhead_s, 0.0) * factor
                 cost[idx, j] *= min(max(fused / separate, 0.05), 1.5)
     index = {op.name: i for i, op in enumerate(graph.ops)}
     tensors: list[TensorFlow] = []
@@ -183,12 +185,16 @@ def plan(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | No
     chosen = {op.name: problem.targets[a] for op, a in zip(graph.ops, assignment, strict=True)}
     split = _explain(graph, host, inv, table, chosen, solver=f"milp ({status})")
     singles = []
+    weights = sum(op.param_bytes for op in graph.ops)
     for k, t in by_key.items():
+        budget = problem.budgets.get(t.id)
+        if budget is not None and weights > budget:
+            continue  # the whole model does not fit this device
         if all(k in table.op_bids[op.name] for op in graph.ops):
             singles.append(_explain(graph, host, inv, table, {op.name: k for op in graph.ops},
                                     solver="single target"))
     if not singles:
-        split.gate = "no single target runs every op: split required"
+        split.gate = "no single target can run every op within its memory budget: split required"
         return split
     best = min(singles, key=lambda p: p.predicted_total_ms)
     for p in (split, best):
@@ -235,8 +241,9 @@ def _explain(graph: Graph, host: PluginHost, inv: Inventory, table: BidTable,
         for k, other in by_key.items():
             if k == chosen[ops[0]] or not all(k in table.op_bids[o] for o in ops):
                 continue
-            beaten.append(BidSummary(target=k, latency_ms=1e3 * sum(table.op_bids[o][k].latency_s for o in ops),
-                                     precision=table.op_bids[ops[0]][k].precision))
+            whole = host.call(other.plugin, "dspark_bid", subgraph=sub, device=other)
+            if whole is not None:  # the same ops as one partition there, not op by op
+                beaten.append(BidSummary(target=k, latency_ms=1e3 * whole.latency_s, precision=whole.precision))
         partitions.append(Partition(
             id=i, target=Target(plugin=t.plugin, device_id=t.id, runtime=t.runtime), ops=ops,
             inputs=sub.inputs, outputs=sub.outputs, predicted_ms=latency * 1e3, precision=precision,

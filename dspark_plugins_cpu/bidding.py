@@ -1,8 +1,10 @@
-"""``dspark_bid``: a roofline over the measured device figures, for subgraphs OpenVINO can run."""
+"""``dspark_bid``: for subgraphs OpenVINO can run, the subgraph timed on OpenVINO (cached),
+else a roofline over the measured device figures (:mod:`dspark.calibration`)."""
 
 from __future__ import annotations
 
-from dspark.cost import DEFAULT_OP_OVERHEAD_S, roofline
+from dspark import calibration
+from dspark.cost import DEFAULT_OP_OVERHEAD_S
 from dspark.graph import Subgraph
 from dspark.types import Bid, Device, DType
 from dspark_plugins_cpu import runtime, support
@@ -17,14 +19,23 @@ def bid(subgraph: Subgraph, device: Device) -> Bid | None:
     if support.unsupported_reason(subgraph, ov_name) is not None:
         return None
     compute = runtime.precision(ov_name)  # what the compile config makes the device compute in
-    latency = roofline(
-        subgraph, device, compute,
-        op_overhead_s=float(device.properties.get("op_overhead_s", DEFAULT_OP_OVERHEAD_S)),
-        call_overhead_s=float(device.properties.get("call_overhead_s", 0.0)),
+    # The probe measured the call and per-op overheads on a persistent request, as the executable
+    # runs: they stay the fixed part of every bid.
+    est = calibration.estimate(
+        subgraph, device, runtime_key=f"{device.runtime} {runtime.version()}", compile=_compile(device),
+        dtype=compute, op_overhead_s=float(device.properties.get("op_overhead_s", DEFAULT_OP_OVERHEAD_S)),
+        call_overhead_s=float(device.properties.get("call_overhead_s", 0.0)), measure_overheads=False,
     )
-    return Bid(device_id=device.id, runtime=device.runtime, latency_s=latency,
-               precision=_precision(subgraph, compute),
-               peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(), source="roofline")
+    return Bid(device_id=device.id, runtime=device.runtime, latency_s=est.latency_s,
+               precision=_precision(subgraph, compute), fixed_overhead_s=est.fixed_overhead_s,
+               peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(), source=est.source, note=est.note)
+
+
+def _compile(device: Device) -> calibration.Compile:
+    """The plugin's ``dspark_compile`` path, for timing."""
+    from dspark_plugins_cpu.executable import compile_subgraph
+
+    return lambda sg: compile_subgraph(sg, device)
 
 
 def _precision(subgraph: Subgraph, compute: DType) -> DType:

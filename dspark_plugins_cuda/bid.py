@@ -1,8 +1,9 @@
-"""dspark_bid: a roofline over the measured figures plus per-op kernel launch cost."""
+"""dspark_bid: the subgraph timed on the GPU through dspark_compile (cached, :mod:`dspark.calibration`),
+else a roofline over the measured figures plus per-op kernel launch cost."""
 
 from __future__ import annotations
 
-from dspark.cost import roofline
+from dspark import calibration
 from dspark.graph import Subgraph
 from dspark.types import Bid, Device
 
@@ -34,6 +35,24 @@ def bid(subgraph: Subgraph, device: Device) -> Bid | None:
     memory = peak_memory_bytes(subgraph)
     if device.memory_free_bytes is not None and memory > device.memory_free_bytes:
         return None  # would not fit in what is free on the GPU right now
-    latency = roofline(subgraph, device, "float32", op_overhead_s=LAUNCH_OVERHEAD_S)
-    return Bid(device_id=device.id, runtime=device.runtime, latency_s=latency,
-               peak_memory_bytes=memory, precision="float32", source="roofline")
+    est = calibration.estimate(subgraph, device, runtime_key=f"{device.runtime} {_torch_version()}",
+                               compile=_compile(device), op_overhead_s=LAUNCH_OVERHEAD_S)
+    return Bid(device_id=device.id, runtime=device.runtime, latency_s=est.latency_s,
+               peak_memory_bytes=memory, precision="float32", fixed_overhead_s=est.fixed_overhead_s,
+               source=est.source, note=est.note)
+
+
+def _torch_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _compile(device: Device) -> calibration.Compile:
+    """The plugin's ``dspark_compile`` hook, for timing."""
+    import dspark_plugins_cuda
+
+    return lambda sg: dspark_plugins_cuda.dspark_compile(sg, device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from dspark.cost import roofline
+from dspark import calibration
 from dspark.graph import Subgraph
 from dspark.log import get_logger
 from dspark.types import Bid, Device
@@ -56,12 +56,23 @@ def bid(subgraph: Subgraph, device: Device, plugin: str) -> Bid | None:
         log.debug("bid.abstain", ep=ep, ops=[op.op_type for op in subgraph.ops][:8], reason=reason)
         return None
     precision = providers.info(ep).precision
-    call_overhead = float(device.properties.get("call_overhead_s", 0.0))
-    latency = roofline(subgraph, device, precision, call_overhead_s=call_overhead,
-                       op_overhead_s=float(device.properties.get("op_overhead_s", 2e-6)))
-    return Bid(device_id=device.id, runtime=providers.runtime_name(ep), latency_s=latency,
+    # The probe measured the call and per-op overheads on sessions of this provider: reused as they are.
+    est = calibration.estimate(
+        subgraph, device, runtime_key=f"{providers.runtime_name(ep)} {session.ort().__version__}",
+        compile=_compile(device), dtype=precision,
+        op_overhead_s=float(device.properties.get("op_overhead_s", 2e-6)),
+        call_overhead_s=float(device.properties.get("call_overhead_s", 0.0)), measure_overheads=False,
+    )
+    return Bid(device_id=device.id, runtime=providers.runtime_name(ep), latency_s=est.latency_s,
                peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(), precision=precision,
-               fixed_overhead_s=call_overhead, source="roofline")
+               fixed_overhead_s=est.fixed_overhead_s, source=est.source, note=est.note)
+
+
+def _compile(device: Device) -> calibration.Compile:
+    """The plugin's ``dspark_compile`` hook, for timing."""
+    import dspark_plugins_npu
+
+    return lambda sg: dspark_plugins_npu.dspark_compile(sg, device)
 
 
 def clear() -> None:

@@ -171,8 +171,6 @@ def test_weights_over_the_gpu_budget_split_the_model_solver(tmp_path: Path) -> N
     assert len(set(chosen.values())) > 1
 
 
-@pytest.mark.xfail(strict=True, reason="placer.plan's single-target gate does not check memory budgets: it "
-                                       "returns the whole model on the GPU although its weights exceed the budget")
 def test_weights_over_the_gpu_budget_split_the_model(tmp_path: Path) -> None:
     graph = mlp_graph()
     host, inv = profile_host(small_gpu_profile(tmp_path))

@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark import cache, hostinfo
+from dspark import cache, calibration, hostinfo
 from dspark.builtin.op_names import TORCH_KERNEL_OPS
-from dspark.cost import roofline
 from dspark.graph import Op, Subgraph
 from dspark.hookspecs import hookimpl
 from dspark.quant import dequantize, quantize_weight, quantizable_weights
@@ -111,11 +110,14 @@ def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
     if subgraph.quantized_by not in (None, "torch"):
         return None
     precision = subgraph.quant_spec.precision if subgraph.quantized_by else "float32"
-    latency = roofline(subgraph, device, "float32", op_overhead_s=_OP_OVERHEAD_S)
-    latency += 2e-4 * len(host_only)  # the numpy reference is slow; never prefer it
+    # Timed through dspark_compile (cached); the roofline when it cannot be.
+    est = calibration.estimate(subgraph, device, runtime_key=f"{RUNTIME} {_torch_version()}",
+                               compile=lambda sg: dspark_compile(sg, device), op_overhead_s=_OP_OVERHEAD_S)
+    latency = est.latency_s + 2e-4 * len(host_only)  # the numpy reference is slow; never prefer it
+    notes = [est.note] + ([f"{len(host_only)} op(s) via onnx.reference"] if host_only else [])
     return Bid(device_id=device.id, runtime=RUNTIME, latency_s=latency, precision=precision,
                peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(),
-               note=f"{len(host_only)} op(s) via onnx.reference" if host_only else "")
+               fixed_overhead_s=est.fixed_overhead_s, source=est.source, note="; ".join(n for n in notes if n))
 
 
 class TorchExecutable:
