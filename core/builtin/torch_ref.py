@@ -145,6 +145,15 @@ class TorchExecutable:
                 self.steps.append((op, _reference_kernel(subgraph, op)))
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        env = self._evaluate(inputs)
+        return {name: env[name].detach().cpu().numpy() for name in self.outputs}
+
+    def run_all(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every tensor the subgraph computes, not only its outputs (for per-op checks)."""
+        env = self._evaluate(inputs)
+        return {name: value.detach().cpu().numpy() for name, value in env.items() if name not in self.weights}
+
+    def _evaluate(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         torch = self._torch
         env: dict[str, Any] = dict(self.weights)
         for name in self.inputs:
@@ -156,7 +165,7 @@ class TorchExecutable:
                 for name, value in zip(op.outputs, fn(attrs, args), strict=False):
                     if name:
                         env[name] = value
-        return {name: env[name].detach().cpu().numpy() for name in self.outputs}
+        return env
 
 
 def _reference_kernel(subgraph: Subgraph, op: Op) -> Any:

@@ -24,9 +24,9 @@ from dspark.testing.conformance import (
     default_host,
     reference_outputs,
 )
-from dspark.testing.op_cases import OpCase, op_case, op_cases
+from dspark.testing.op_cases import OpCase, model_op_cases, op_case, op_cases
 
 __all__ = [
     "CheckResult", "ConformanceKit", "ConformanceReport", "OpCase", "PluginConformance", "check_plugin",
-    "compare", "default_host", "op_case", "op_cases", "reference_outputs",
+    "compare", "default_host", "model_op_cases", "op_case", "op_cases", "reference_outputs",
 ]
