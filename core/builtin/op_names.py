@@ -6,12 +6,13 @@ that would cost seconds. A test keeps this set equal to the kernel table.
 
 TORCH_KERNEL_OPS: frozenset[str] = frozenset({
     'Abs', 'Add', 'And', 'AveragePool', 'BatchNormalization', 'Cast', 'Ceil', 'Clip',
-    'Concat', 'Constant', 'ConstantOfShape', 'Conv', 'Cos', 'Div', 'Equal', 'Erf',
-    'Exp', 'Expand', 'Flatten', 'Floor', 'Gather', 'Gelu', 'Gemm', 'GlobalAveragePool',
-    'Greater', 'GreaterOrEqual', 'HardSigmoid', 'Identity', 'LayerNormalization', 'LeakyRelu', 'Less', 'LessOrEqual',
-    'Log', 'LogSoftmax', 'MatMul', 'Max', 'MaxPool', 'Mean', 'Min', 'Mul',
-    'Neg', 'Not', 'Or', 'Pow', 'Range', 'Reciprocal', 'ReduceMax', 'ReduceMean',
-    'ReduceMin', 'ReduceSum', 'Relu', 'Reshape', 'Round', 'Shape', 'Sigmoid', 'Sign',
-    'Sin', 'Slice', 'Softmax', 'Softplus', 'Split', 'Sqrt', 'Squeeze', 'Sub',
-    'Sum', 'Tanh', 'Transpose', 'Unsqueeze', 'Where', 'Xor',
+    'Concat', 'Constant', 'ConstantOfShape', 'Conv', 'Cos', 'CumSum', 'Div', 'Equal',
+    'Erf', 'Exp', 'Expand', 'Flatten', 'Floor', 'Gather', 'GatherElements', 'GatherND',
+    'Gelu', 'Gemm', 'GlobalAveragePool', 'Greater', 'GreaterOrEqual', 'HardSigmoid', 'Identity', 'IsNaN',
+    'LayerNormalization', 'LeakyRelu', 'Less', 'LessOrEqual', 'Log', 'LogSoftmax', 'MatMul', 'Max',
+    'MaxPool', 'Mean', 'Min', 'Mul', 'Neg', 'Not', 'Or', 'Pow',
+    'Range', 'Reciprocal', 'ReduceMax', 'ReduceMean', 'ReduceMin', 'ReduceSum', 'Relu', 'Reshape',
+    'Round', 'Shape', 'Sigmoid', 'Sign', 'Sin', 'Slice', 'Softmax', 'Softplus',
+    'Split', 'Sqrt', 'Squeeze', 'Sub', 'Sum', 'Tanh', 'Tile', 'Transpose',
+    'Trilu', 'Unsqueeze', 'Where', 'Xor',
 })

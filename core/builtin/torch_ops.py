@@ -329,3 +329,52 @@ KERNELS.update({
     "ReduceMean": _reduce(torch.mean), "ReduceSum": _reduce(torch.sum),
     "ReduceMax": _reduce(torch.amax), "ReduceMin": _reduce(torch.amin),
 })
+
+
+@kernel("GatherElements")
+def _gather_elements(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    axis = int(a.get("axis", 0)) % x[0].dim()
+    idx = x[1].long()
+    idx = torch.where(idx < 0, idx + x[0].shape[axis], idx)
+    return [torch.gather(x[0], axis, idx)]
+
+
+@kernel("Tile")
+def _tile(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    return [x[0].repeat(*_ints(x[1]))]
+
+
+@kernel("Trilu")
+def _trilu(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    k = int(x[1].item()) if len(x) > 1 and x[1] is not None else 0
+    return [torch.triu(x[0], k) if int(a.get("upper", 1)) else torch.tril(x[0], k)]
+
+
+@kernel("CumSum")
+def _cumsum(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    axis = int(x[1].item())
+    t = x[0].flip(axis) if a.get("reverse") else x[0]
+    out = torch.cumsum(t, axis)
+    if a.get("exclusive"):
+        out = out - t
+    return [out.flip(axis) if a.get("reverse") else out]
+
+
+@kernel("IsNaN")
+def _isnan(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    return [torch.isnan(x[0])]
+
+
+@kernel("GatherND")
+def _gather_nd(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    data, idx, b = x[0], x[1].long(), int(a.get("batch_dims", 0))
+    batch = data.shape[:b]
+    data_f = data.reshape(-1, *data.shape[b:])
+    idx_f = idx.reshape(-1, *idx.shape[b:])
+    k = idx.shape[-1]
+    outs = []
+    for d, i in zip(data_f, idx_f, strict=True):
+        i = torch.where(i < 0, i + torch.tensor(d.shape[:k], device=i.device), i)
+        outs.append(d[tuple(i.unbind(-1))])
+    out = torch.stack(outs)
+    return [out.reshape(*batch, *out.shape[1:])]
