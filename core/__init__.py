@@ -29,19 +29,22 @@ from dspark.types import (
 if TYPE_CHECKING:
     from dspark.graph import Graph, Op, Subgraph, TensorSpec
     from dspark.inventory import Inventory
+    from dspark.llm import LLM, SamplingParams
     from dspark.plugin_manager import PluginHost
 
 __version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "Drafter", "DrafterSpec", "Executable",
-    "Graph", "HardwareUnavailable", "Inventory", "Op", "PluginHost", "PluginRecord", "PluginStatus",
-    "QuantSpec", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec", "__version__",
+    "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
+    "QuantSpec", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
+    "__version__",
 ]
 
 _LAZY = {
     "Graph": "dspark.graph", "Op": "dspark.graph", "Subgraph": "dspark.graph", "TensorSpec": "dspark.graph",
     "Inventory": "dspark.inventory", "PluginHost": "dspark.plugin_manager",
+    "LLM": "dspark.llm", "SamplingParams": "dspark.llm",
 }
 
 

@@ -1,0 +1,225 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.llm.config import EngineConfig
+from dspark.llm.model import ModelRunner, SeqChunk
+from dspark.llm.sampling import SamplingParams, sample
+from dspark.llm.scheduler import Scheduler, Sequence, Status
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """State of one request after a step; ``text``/``token_ids`` are cumulative, ``delta`` is new text."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    usage: Usage
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_used_bytes: int
+    kv_total_bytes: int
+    kv_used_pages: int
+    kv_free_pages: int
+    kv_total_pages: int
+    kv_usage: float
+    kv_fragmentation: float
+    page_size: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    effective_max_batch: int
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
+                 config: EngineConfig | None = None, **config_kw: Any) -> None:
+        if config is not None and config_kw:
+            raise TypeError("pass either config= or engine keyword arguments, not both")
+        self.runner = ModelRunner.from_pretrained(str(model), dtype)
+        mcfg = self.runner.cfg
+        cfg = config or EngineConfig(**config_kw)
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if cfg.max_model_len is None and mcfg.sliding_window is not None:
+            max_len = min(max_len, mcfg.sliding_window)  # within the window, full attention is exact
+        if mcfg.sliding_window is not None and max_len > mcfg.sliding_window:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's sliding_window {mcfg.sliding_window}, "
+                             "which this runner does not implement; lower max_model_len")
+        total = cfg.max_total_tokens or max(8192, max_len)
+        self.config = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
+        self.max_model_len = max_len
+        self.cache = self.runner.make_cache(-(-total // cfg.page_size), cfg.page_size)
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.tokenizer = _load_tokenizer(Path(model))
+        self.eos_ids = set(mcfg.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._default_gen = torch.Generator().manual_seed(0)
+
+    # -- requests -------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json; pass prompts as token id lists")
+            ids: list[int] = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            # Empty prompt: generate from BOS alone, as a Llama tokenizer would encode "".
+            bos = self.runner.cfg.bos_token_id
+            if bos is None:
+                raise ValueError("empty prompt, and the model has no bos_token_id to start from")
+            ids = [bos]
+        vocab = self.runner.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                      priority: int = 0) -> Sequence:
+        """Validate and tokenize; pure, so callers on other threads may use it."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                             "(at least one token must be left for output)")
+        worst = min(len(ids) + params.max_tokens, self.max_model_len)
+        cap = self.cache.allocator.num_pages * self.cache.page_size
+        if worst > cap:
+            # Refuse now: a request that cannot fit even alone would otherwise preempt forever.
+            raise ValueError(f"request {request_id!r} may need {worst} KV tokens (prompt {len(ids)} + "
+                             f"max_tokens {params.max_tokens}) but max_total_tokens allows {cap}")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                        prompt_ids=ids, params=params, priority=priority, arrival=0, generator=gen)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.arrival = next(self._arrival)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        self.add_sequence(self.make_sequence(request_id, prompt, params, priority))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
+
+    def abort_all(self) -> None:
+        for rid in list(self._seqs):
+            self.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; returns an output for every request that got a new token."""
+        planned = self.scheduler.schedule()
+        if not planned:
+            return []
+        t0 = time.perf_counter()
+        chunks = [SeqChunk(p.seq.request_id, p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.num_tokens])
+                  for p in planned]
+        logits = self.runner.step(self.cache, chunks)
+        outputs = []
+        for p, lg in zip(planned, logits):
+            seq = p.seq
+            completes = p.completes
+            seq.num_computed += p.num_tokens
+            if not completes:
+                continue  # mid-prompt chunk: nothing to sample yet
+            tok = sample(lg, seq.params, seq.generator or self._default_gen)
+            seq.output_ids.append(tok)
+            self._check_stop(seq, tok)
+            outputs.append(self._output(seq))
+            if seq.status is Status.FINISHED:
+                del self._seqs[seq.request_id]
+        self.scheduler.record_step((time.perf_counter() - t0) * 1e3)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
+        ids = seq.output_ids[:-1] if stop_tok else seq.output_ids
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        reason = "stop" if stop_tok else None
+        if p.stop and reason is None:
+            # The earliest match wins; text before it is the output.
+            hits = [i for s in p.stop if (i := seq.text.find(s)) >= 0]
+            if hits:
+                seq.text, reason = seq.text[: min(hits)], "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens
+                               or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.status is Status.FINISHED
+        end = len(seq.text)
+        if not finished:
+            # Hold back what may still turn into a stop string, and half-decoded UTF-8.
+            hold = max((len(s) for s in seq.params.stop), default=1) - 1
+            end = max(seq.emitted, len(seq.text.rstrip("\ufffd")) - hold)
+        delta, seq.emitted = seq.text[seq.emitted : end], end
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_ids),
+            text=seq.text, token_ids=list(seq.output_ids), delta=delta, finished=finished,
+            finish_reason=seq.finish_reason, usage=Usage(len(seq.prompt_ids), len(seq.output_ids)),
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.cache.stats()
+        return EngineStats(
+            kv_used_bytes=kv.used_bytes, kv_total_bytes=kv.total_bytes, kv_used_pages=kv.used_pages,
+            kv_free_pages=kv.free_pages, kv_total_pages=kv.total_pages, kv_usage=kv.used_pages / kv.total_pages,
+            kv_fragmentation=kv.fragmentation, page_size=kv.page_size, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
+            effective_max_batch=self.scheduler.effective_max_batch,
+        )
+
+
+def _load_tokenizer(root: Path) -> Any:
+    f = root / "tokenizer.json"
+    if not f.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(f))

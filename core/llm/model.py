@@ -1,0 +1,187 @@
+"""Our own Llama-family forward pass over the paged KV cache.
+
+One ``step`` runs any mix of prefill chunks and decode tokens for many
+sequences: tokens are flattened for the dense parts (norms, projections, MLP)
+and attention is per sequence, with K/V gathered from pages by block table.
+Decode rows are batched into one padded SDPA call; prefill chunks get one
+call each (they are few per step and already long).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.llm.kv_cache import PagedKVCache
+from dspark.llm.loader import ModelConfig, load_checkpoint, resolve_dtype
+from dspark.llm.rope import apply_rope, cos_sin, inv_frequencies
+
+
+@dataclass
+class SeqChunk:
+    """New tokens of one sequence to run this step; their K/V land after the cached ones."""
+
+    seq_id: str
+    token_ids: list[int]
+    all_logits: bool = False  # logits for every position (speculative verification), not just the last
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.inv_freq = inv_frequencies(cfg)
+        self.layers: list[_Layer] = []
+        for n in range(cfg.num_hidden_layers):
+            p = f"model.layers.{n}."
+            a = p + "self_attn."
+            # Fused QKV and gate/up: one matmul each instead of three and two.
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([weights[a + f"{x}_proj.bias"] for x in "qkv"])
+            self.layers.append(_Layer(
+                in_norm=weights[p + "input_layernorm.weight"],
+                post_norm=weights[p + "post_attention_layernorm.weight"],
+                w_qkv=torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]),
+                b_qkv=bias,
+                w_o=weights[a + "o_proj.weight"],
+                w_gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                w_down=weights[p + "mlp.down_proj.weight"],
+            ))
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
+        cfg, weights = load_checkpoint(path, dtype)
+        return cls(cfg, weights, resolve_dtype(dtype, cfg))
+
+    def make_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        c = self.cfg
+        return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                            kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # Same op order as HF LlamaRMSNorm: statistics in fp32, scale in model dtype.
+        # The fused kernel saves four dispatches per norm, which matters at batch 1.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype)
+
+    @torch.inference_mode()
+    def step(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """Run one forward; returns per chunk fp32 logits, [vocab] or [n, vocab] if ``all_logits``."""
+        c = self.cfg
+        H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        starts: list[int] = []
+        for ch in chunks:
+            if not ch.token_ids:
+                raise ValueError(f"sequence {ch.seq_id}: empty chunk")
+            start = cache.seq_lens.get(ch.seq_id, 0)
+            cache.reserve(ch.seq_id, start + len(ch.token_ids))
+            starts.append(start)
+        tokens = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(s, s + len(ch.token_ids)) for s, ch in zip(starts, chunks)])
+        write_slots = torch.cat([cache.slots(ch.seq_id, s, s + len(ch.token_ids)) for s, ch in zip(starts, chunks)])
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+
+        # Attention plan, shared by all layers: which rows, which cached slots, which mask.
+        offsets, o = [], 0
+        for ch in chunks:
+            offsets.append(o)
+            o += len(ch.token_ids)
+        dec = [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1]
+        pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
+        dec_rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
+        # K/V are gathered a whole page at a time (contiguous page_size*row copies), then
+        # cut to the sequence length; a padded decode batch masks the tail of shorter rows.
+        dec_pages = dec_mask = None
+        dec_len = 0
+        if dec:
+            lens = [starts[i] + 1 for i in dec]
+            dec_len = max(lens)
+            width = cache.pages_for(dec_len)
+            dec_pages = torch.zeros(len(dec), width, dtype=torch.long)
+            for r, i in enumerate(dec):
+                table = cache.block_tables[chunks[i].seq_id]
+                dec_pages[r, : len(table)] = torch.tensor(table[:width])
+            if min(lens) != dec_len:
+                dec_mask = (torch.arange(dec_len)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        pre_plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        for i in pre:
+            n, s = len(chunks[i].token_ids), starts[i]
+            pages = torch.tensor(cache.block_tables[chunks[i].seq_id][: cache.pages_for(s + n)])
+            mask = None if s == 0 else (torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None])
+            pre_plan.append((offsets[i], n, pages, mask))
+
+        x = self.embed[tokens]
+        T = x.shape[0]
+        for li, L in enumerate(self.layers):
+            h = self._rms(x, L.in_norm)
+            qkv = F.linear(h, L.w_qkv, L.b_qkv)
+            qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+            kc, vc = cache.k[li], cache.v[li]
+            kc.view(-1, KVH, D)[write_slots] = k
+            vc.view(-1, KVH, D)[write_slots] = v
+            attn = torch.empty(T, H, D, dtype=x.dtype) if pre_plan else None
+            if dec:
+                qd = (q[dec_rows] if pre_plan else q).unsqueeze(2)  # [B, H, 1, D]
+                B = qd.shape[0]
+                kd = kc[dec_pages].view(B, -1, KVH, D)[:, :dec_len].transpose(1, 2)  # [B, KVH, L, D]
+                vd = vc[dec_pages].view(B, -1, KVH, D)[:, :dec_len].transpose(1, 2)
+                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, enable_gqa=H != KVH)
+                if attn is None:  # decode-only step: rows are already in order
+                    attn = out.squeeze(2)
+                else:
+                    attn[dec_rows] = out.squeeze(2)
+            for off, n, pages, mask in pre_plan:
+                L_ = n if mask is None else mask.shape[1]
+                qp = q[off : off + n].transpose(0, 1).unsqueeze(0)
+                kp = kc[pages].view(-1, KVH, D)[:L_].transpose(0, 1).unsqueeze(0)
+                vp = vc[pages].view(-1, KVH, D)[:L_].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=H != KVH
+                )
+                attn[off : off + n] = out[0].transpose(0, 1)
+            assert attn is not None
+            x = x + F.linear(attn.reshape(T, H * D), L.w_o)
+            h = self._rms(x, L.post_norm)
+            gu = F.linear(h, L.w_gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L.w_down)
+
+        for s, ch in zip(starts, chunks):
+            cache.set_len(ch.seq_id, s + len(ch.token_ids))
+        # Only the rows whose logits are wanted go through the final norm and lm_head.
+        rows: list[torch.Tensor] = []
+        for off, ch in zip(offsets, chunks):
+            n = len(ch.token_ids)
+            rows.append(torch.arange(off, off + n) if ch.all_logits else torch.tensor([off + n - 1]))
+        sel = torch.cat(rows)
+        logits = F.linear(self._rms(x[sel], self.norm), self.lm_head).float()
+        result, o = [], 0
+        for ch, r in zip(chunks, rows):
+            part = logits[o : o + len(r)]
+            result.append(part if ch.all_logits else part[0])
+            o += len(r)
+        return result

@@ -1,0 +1,183 @@
+"""LLM.generate / generate_stream, AsyncLLMEngine, stats, the default model path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llm_testutil import random_prompts
+
+import dspark
+from dspark.llm import AsyncLLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def test_lazy_exports() -> None:
+    from dspark import llm
+
+    assert dspark.LLM is llm.LLM and dspark.SamplingParams is llm.SamplingParams
+
+
+def test_generate_outputs_in_order(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    outs = llm.generate(["def hello", "import os", [5, 6, 7]], [GREEDY, GREEDY, GREEDY.model_copy(update={"max_tokens": 3})])
+    assert [o.prompt for o in outs] == ["def hello", "import os", None]
+    assert outs[2].prompt_token_ids == [5, 6, 7] and len(outs[2].token_ids) == 3
+    assert outs[0].prompt_token_ids[0] == 1  # the tokenizer's BOS
+    single = llm.generate("def hello", GREEDY)
+    assert single[0].token_ids == outs[0].token_ids
+    assert all(o.finished and o.finish_reason == "length" for o in outs)
+
+
+def test_stream_matches_generate_and_break_aborts(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    params = GREEDY.model_copy(update={"max_tokens": 16})
+    text = llm.generate("import os", params)[0].text
+    assert "".join(llm.generate_stream("import os", params)) == text
+    for _ in llm.generate_stream("import os", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
+        break
+    assert llm.engine.cache.all_free() and not llm.engine.has_unfinished()
+
+
+def test_stats(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(page_size=8, max_total_tokens=256)
+    eng = llm.engine
+    eng.add_request("a", list(range(3, 23)), GREEDY)  # 20 tokens -> 3 pages of 8
+    eng.step()
+    s = llm.stats()
+    assert (s.kv_total_pages, s.kv_used_pages, s.kv_free_pages, s.num_running, s.num_waiting) == (32, 3, 29, 1, 0)
+    assert s.kv_used_bytes == 3 * s.kv_total_bytes // 32
+    assert s.kv_fragmentation == pytest.approx((24 - 20) / 24)
+    eng.abort("a")
+    assert llm.stats().kv_used_pages == 0
+
+
+def test_default_model_missing_is_clear(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from dspark.llm import api
+
+    monkeypatch.setattr(api, "default_model_path", lambda: tmp_path / "stdlib-llama")
+    with pytest.raises(FileNotFoundError, match="embedded default model is not at"):
+        dspark.LLM()
+
+
+def test_engine_config_errors_name_the_field(checkpoint: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        dspark.LLM(str(checkpoint("llama")), max_batch_size=0)
+    with pytest.raises(ValueError, match="preemption_policy"):
+        dspark.LLM(str(checkpoint("llama")), preemption_policy="random")
+
+
+def test_async_many_concurrent_requests(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    prompts = random_prompts(12, seed=9)
+    ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    eng = AsyncLLMEngine(llm.engine)
+
+    async def one(i: int) -> tuple[list[int], str, int]:
+        n, last = 0, None
+        async for out in eng.generate(prompts[i], GREEDY, request_id=f"r{i}"):
+            n, last = n + 1, out
+        assert last is not None
+        return last.token_ids, last.finish_reason or "", n
+
+    async def main() -> list[tuple[list[int], str, int]]:
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert [g[0] for g in got] == ref
+    assert all(g[1] == "length" and g[2] == 10 for g in got)  # one streamed output per token
+
+
+def test_async_abort_returns_pages(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    step = llm.engine.step
+
+    def slow_step() -> Any:  # so the stream cannot finish before the consumer gets to abort it
+        time.sleep(0.005)
+        return step()
+
+    llm.engine.step = slow_step
+    eng = AsyncLLMEngine(llm.engine)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[str | None, str | None]:
+        reasons = []
+        async for out in eng.generate([5, 6, 7], long, request_id="x"):
+            if len(out.token_ids) == 3 and not out.finished:
+                assert eng.stats().kv_used_pages > 0
+                await eng.abort("x")
+            reasons.append(out.finish_reason)
+        # A consumer that walks away mid-stream is aborted too.
+        agen = eng.generate([5, 6], long, request_id="y")
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(100):
+            if eng.stats().kv_used_pages == 0:
+                break
+            await asyncio.sleep(0.01)
+        return reasons[-1], None
+
+    try:
+        reason, _ = asyncio.run(main())
+        assert reason == "abort"
+        assert eng.stats().kv_used_pages == 0 and eng.stats().num_running == 0
+    finally:
+        eng.shutdown()
+
+
+def test_async_duplicate_id_and_bad_input_raise_in_caller(make_llm: Callable[..., Any]) -> None:
+    eng = AsyncLLMEngine(make_llm(max_model_len=16).engine)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="max_model_len=16"):
+            async for _ in eng.generate(list(range(3, 40)), GREEDY):
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_async_id_clash_with_sync_api_reaches_the_caller(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    llm.engine.add_request("taken", [5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng = AsyncLLMEngine(llm.engine)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in eng.generate([6], GREEDY, request_id="taken"):
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_sliding_window_bounds_default_max_model_len(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(checkpoint("mistral"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
+    assert dspark.LLM(str(d)).engine.max_model_len == 32
+    with pytest.raises(ValueError, match="exceeds the model's sliding_window 32"):
+        dspark.LLM(str(d), max_model_len=64)
+
+
+def test_bf16_end_to_end(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(dtype="bf16")
+    (out,) = llm.generate("def hello", GREEDY)
+    assert len(out.token_ids) == 10 and llm.engine.cache.k[0].dtype.itemsize == 2

@@ -1,0 +1,79 @@
+"""Sampling parameters: greedy, temperature/top-k/top-p, seeds, stop conditions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from llm_testutil import random_prompts
+
+from dspark.llm import SamplingParams
+from dspark.llm.sampling import sample
+
+
+def test_sampler_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9, 2.8, -5.0])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(temperature=0), None) == 1
+    assert sample(logits, SamplingParams(top_k=1), g) == 1
+    assert {sample(logits, SamplingParams(top_k=3, temperature=5.0), g) for _ in range(200)} == {1, 2, 3}
+    assert {sample(logits, SamplingParams(top_p=0.01), g) for _ in range(50)} == {1}
+    # top_p keeps the smallest prefix reaching p: the top two here carry ~0.69 of the mass.
+    assert {sample(logits, SamplingParams(top_p=0.6), g) for _ in range(200)} == {1, 2}
+
+
+def test_seed_is_reproducible_regardless_of_batch(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=123, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], p)[0].token_ids
+    crowd = llm.generate([[9, 9], [5, 6, 7], [4]], [SamplingParams(max_tokens=7, temperature=1.0, seed=1), p,
+                                                     SamplingParams(max_tokens=3, temperature=0.7)])
+    assert crowd[1].token_ids == alone
+    other = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=1.0, seed=124, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_max_tokens_and_length(make_llm: Callable[..., Any]) -> None:
+    (out,) = make_llm().generate([[5, 6]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.usage.prompt_tokens == 2 and out.usage.completion_tokens == 5 and out.usage.total_tokens == 7
+
+
+def test_stop_token_ids_and_eos(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    prompt = random_prompts(1, seed=8)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    tok = full[4]
+    cut = full.index(tok) + 1
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[:cut]
+    llm.engine.eos_ids = {tok}  # the same token as the model's EOS
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[:cut]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == full
+
+
+def test_stop_string_truncates_text_and_stream(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    base = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate("def hello", base)[0].text
+    i = next(i for i, ch in enumerate(full) if i >= 3 and ch.isascii() and ch.isprintable())
+    stop = full[i]
+    params = base.model_copy(update={"stop": [stop, "never-there"]})
+    out = llm.generate("def hello", params)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)] and stop not in out.text
+    assert "".join(llm.generate_stream("def hello", params)) == out.text
+
+
+def test_stop_accepts_a_single_string() -> None:
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+
+
+@pytest.mark.parametrize("bad", [{"top_p": 0.0}, {"temperature": -1.0}, {"top_k": -2}, {"bogus": 1}])
+def test_bad_params_name_the_field(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
