@@ -28,3 +28,9 @@ class EngineConfig(BaseModel):
         False, description="a waiting request may preempt running ones of a strictly lower priority "
         "(larger number), lowest and newest first, when no batch slot or pages are left for it")
     target_step_ms: float | None = Field(None, gt=0, description="adaptive batch size target; None keeps max_batch_size fixed")
+    devices: str | None = Field(
+        None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
+        "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")
+    dense_offload: str = Field(
+        "off", description="prefill MLP through another plugin's compiled executable: 'off', 'auto' (when its "
+        "bid beats torch's by a margin) or a plugin name to force it")

@@ -75,7 +75,24 @@ class LLMEngine:
         total = cfg.max_total_tokens or max(8192, max_len)
         self.config = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
         self.max_model_len = max_len
-        self.cache = self.runner.make_cache(-(-total // cfg.page_size), cfg.page_size)
+        num_pages = -(-total // cfg.page_size)
+        self.placement: Any = None  # dspark.llm.placement.LayerPlacement when cfg.devices is set
+        self.dense_offload: Any = None
+        self.dense_offload_decision: Any = None
+        if cfg.devices is not None:  # before the cache: each layer's KV pages go where the layer runs
+            from dspark.llm.placement import place_engine
+
+            self.placement = place_engine(self.runner, cfg.devices, max_model_len=max_len,
+                                          max_total_tokens=num_pages * cfg.page_size,
+                                          decode_batch=min(cfg.max_batch_size, 8),
+                                          prefill_chunk=min(cfg.max_num_batched_tokens, 128))
+        if cfg.dense_offload != "off":
+            from dspark.llm.placement import setup_dense_offload
+
+            devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
+            self.dense_offload, self.dense_offload_decision = setup_dense_offload(
+                self.runner, cfg.dense_offload, layer_devices=devs)
+        self.cache = self.runner.make_cache(num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer = _load_tokenizer(Path(model))
         self.eos_ids = set(mcfg.eos_token_ids)

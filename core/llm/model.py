@@ -9,6 +9,7 @@ call each (they are few per step and already long).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,16 +65,44 @@ class ModelRunner:
                 w_gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
                 w_down=weights[p + "mlp.down_proj.weight"],
             ))
+        # Per-layer torch devices once place() ran with anything but the CPU; None = all on the CPU.
+        self.layer_devices: list[torch.device] | None = None
+        # Optional prefill MLP replacement: (layer index, normed h) -> MLP output or None (torch runs it).
+        self.mlp_offload: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
         cfg, weights = load_checkpoint(path, dtype)
         return cls(cfg, weights, resolve_dtype(dtype, cfg))
 
+    def place(self, layer_devices: list[str], embed_device: str = "cpu", head_device: str = "cpu") -> None:
+        """Hold each layer's weights (and, via make_cache, its KV pages) on its torch device."""
+        if len(layer_devices) != len(self.layers):
+            raise ValueError(f"{len(layer_devices)} layer devices for {len(self.layers)} layers")
+        devs = [torch.device(d) for d in layer_devices]
+        for L, d in zip(self.layers, devs):
+            for name in ("in_norm", "post_norm", "w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down"):
+                t = getattr(L, name)
+                if t is not None:
+                    setattr(L, name, t.to(d))
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.to(embed_device)
+        self.norm = self.norm.to(head_device)
+        self.lm_head = self.embed.to(head_device) if tied else self.lm_head.to(head_device)
+        generic = any(d != torch.device("cpu") for d in devs + [torch.device(embed_device), torch.device(head_device)])
+        self.layer_devices = devs if generic else None
+
     def make_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg
-        return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
-                            kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
+        devs = self.layer_devices
+        cache = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+                             device="cpu" if devs is None else "meta")
+        if devs is not None:  # each layer's pages live where the layer runs
+            for li, d in enumerate(devs):
+                cache.k[li] = torch.zeros(cache.k[li].shape, dtype=self.dtype, device=d)
+                cache.v[li] = torch.zeros(cache.v[li].shape, dtype=self.dtype, device=d)
+        return cache
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -132,9 +161,16 @@ class ModelRunner:
             mask = None if s == 0 else (torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None])
             pre_plan.append((offsets[i], n, pages, mask))
 
-        x = self.embed[tokens]
+        devs = self.layer_devices
+        x = self.embed[tokens if devs is None else tokens.to(self.embed.device)]
         T = x.shape[0]
         for li, L in enumerate(self.layers):
+            if devs is not None and devs[li] != x.device:
+                # Crossing to another device: the hidden state and the step's small plan tensors move.
+                d = devs[li]
+                x, cos, sin, write_slots, dec_rows = (t.to(d) for t in (x, cos, sin, write_slots, dec_rows))
+                dec_pages, dec_mask = (None if t is None else t.to(d) for t in (dec_pages, dec_mask))
+                pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
             qkv = F.linear(h, L.w_qkv, L.b_qkv)
             qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
@@ -143,7 +179,7 @@ class ModelRunner:
             kc, vc = cache.k[li], cache.v[li]
             kc.view(-1, KVH, D)[write_slots] = k
             vc.view(-1, KVH, D)[write_slots] = v
-            attn = torch.empty(T, H, D, dtype=x.dtype) if pre_plan else None
+            attn = torch.empty(T, H, D, dtype=x.dtype, device=x.device) if pre_plan else None
             if dec:
                 qd = (q[dec_rows] if pre_plan else q).unsqueeze(2)  # [B, H, 1, D]
                 B = qd.shape[0]
@@ -166,9 +202,12 @@ class ModelRunner:
             assert attn is not None
             x = x + F.linear(attn.reshape(T, H * D), L.w_o)
             h = self._rms(x, L.post_norm)
-            gu = F.linear(h, L.w_gate_up)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, L.w_down)
+            mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and pre_plan else None
+            if mlp is None:
+                gu = F.linear(h, L.w_gate_up)
+                g, u = gu.chunk(2, dim=-1)
+                mlp = F.linear(F.silu(g) * u, L.w_down)
+            x = x + mlp
 
         for s, ch in zip(starts, chunks):
             cache.set_len(ch.seq_id, s + len(ch.token_ids))
@@ -178,7 +217,11 @@ class ModelRunner:
             n = len(ch.token_ids)
             rows.append(torch.arange(off, off + n) if ch.all_logits else torch.tensor([off + n - 1]))
         sel = torch.cat(rows)
+        if devs is not None:
+            x, sel = x.to(self.norm.device), sel.to(self.norm.device)
         logits = F.linear(self._rms(x[sel], self.norm), self.lm_head).float()
+        if devs is not None:
+            logits = logits.cpu()  # the sampler and its generators live on the host
         result, o = [], 0
         for ch, r in zip(chunks, rows):
             part = logits[o : o + len(r)]
