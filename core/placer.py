@@ -29,6 +29,7 @@ from dspark.partition import fuse
 from dspark.placer_ilp import HOST, Problem, TensorFlow, solve
 from dspark.plan import BidSummary, Partition, Plan, Target, graph_fingerprint, hardware_fingerprint
 from dspark.plugin_manager import PluginHost
+from dspark.switching import switch_matrix
 from dspark.types import Bid, Device
 
 log = get_logger("dspark.placer")
@@ -90,7 +91,8 @@ def collect_op_bids(host: PluginHost, inv: Inventory, graph: Graph,
 
 
 def build_problem(graph: Graph, inv: Inventory, table: BidTable,
-                  run_bids: dict[str, dict[tuple[str, ...], Bid]] | None = None) -> Problem:
+                  run_bids: dict[str, dict[tuple[str, ...], Bid]] | None = None,
+                  switch: np.ndarray | None = None) -> Problem:
     targets = table.targets
     keys = [target_key(t) for t in targets]
     n_ops, n_t = len(graph.ops), len(targets)
@@ -138,6 +140,8 @@ def build_problem(graph: Graph, inv: Inventory, table: BidTable,
                 # Same host memory, different runtimes: one copy at memory bandwidth.
                 if src is None and dst is None and a != HOST and b != HOST:
                     transfer[s, a, b] = tf.nbytes / (inv.device(targets[a].id).memory_bandwidth_bytes_per_s or 1e10)
+                    if switch is not None:
+                        transfer[s, a, b] += switch[a, b]  # measured hand-over between the two runtimes
                 else:
                     transfer[s, a, b] = link_seconds(inv, tf.nbytes, src, dst)
     mem = np.array([[float(op.param_bytes)] * n_t for op in graph.ops]) if n_ops else None
@@ -177,13 +181,14 @@ def plan(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | No
             bid = host.call(t.plugin, "dspark_bid", subgraph=graph.subgraph(run), device=t)
             if bid is not None:
                 run_bids.setdefault(k, {})[tuple(run)] = bid
-    problem = build_problem(graph, inv, table, run_bids)
+    switch = switch_matrix(host, table.targets, [_host_resident(inv, t.id) for t in table.targets])
+    problem = build_problem(graph, inv, table, run_bids, switch)
     try:
         assignment, _, status = solve(problem, time_limit_s=time_limit_s)
     except ValueError as exc:
         raise PlacementError(str(exc)) from None
     chosen = {op.name: problem.targets[a] for op, a in zip(graph.ops, assignment, strict=True)}
-    split = _explain(graph, host, inv, table, chosen, solver=f"milp ({status})")
+    split = _explain(graph, host, inv, table, chosen, solver=f"milp ({status})", switch=switch)
     singles = []
     weights = sum(op.param_bytes for op in graph.ops)
     for k, t in by_key.items():
@@ -210,8 +215,9 @@ def plan(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | No
 
 
 def _explain(graph: Graph, host: PluginHost, inv: Inventory, table: BidTable,
-             chosen: dict[str, str], solver: str) -> Plan:
+             chosen: dict[str, str], solver: str, switch: np.ndarray | None = None) -> Plan:
     by_key = {target_key(t): t for t in table.targets}
+    index = {target_key(t): i for i, t in enumerate(table.targets)}
     groups = fuse(graph, chosen.get)
     where = {op: i for i, g in enumerate(groups) for op in g}
     partitions: list[Partition] = []
@@ -236,6 +242,8 @@ def _explain(graph: Graph, host: PluginHost, inv: Inventory, table: BidTable,
             src = None if src_dev is None or _host_resident(inv, src_dev) else src_dev
             dst = None if _host_resident(inv, t.id) else t.id
             transfer_s += link_seconds(inv, nbytes, src, dst)
+            if switch is not None and src_part is not None and src is None and dst is None:
+                transfer_s += switch[index[chosen[groups[src_part][0]]], index[chosen[ops[0]]]]
             bytes_in += nbytes
         beaten = []
         for k, other in by_key.items():

@@ -1,0 +1,43 @@
+"""Measured runtime hand-over costs, and the placer counting them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dspark import cache
+from dspark.demo import demo_graph
+from dspark.inventory import probe
+from dspark.placer import build_problem, collect_op_bids
+from dspark.plugin_manager import PluginHost
+from dspark.settings import PluginSettings
+from dspark.switching import NAMESPACE, switch_matrix, switch_overhead
+
+
+def test_switch_overhead_is_measured_cached_and_symmetric() -> None:
+    host = PluginHost(PluginSettings.from_env(env={})).load()
+    inv = probe(host)
+    ov = next(d for d in inv.drivers() if d.plugin == "cpu")
+    ort = next(d for d in inv.drivers() if d.plugin == "npu")
+    cache.clear(NAMESPACE)
+    first = switch_overhead(host, ov, ort)
+    assert first >= 0.0
+    t0 = time.perf_counter()
+    assert switch_overhead(host, ort, ov) == first  # one figure per unordered pair, from the cache
+    assert time.perf_counter() - t0 < 0.1
+    assert switch_overhead(host, ov, ov) == 0.0
+
+
+def test_placer_charges_hand_overs_between_host_runtimes() -> None:
+    host = PluginHost(PluginSettings.from_env(env={})).load()
+    inv = probe(host)
+    graph = demo_graph()
+    table = collect_op_bids(host, inv, graph)
+    switch = switch_matrix(host, table.targets, [True] * len(table.targets))
+    plain = build_problem(graph, inv, table)
+    charged = build_problem(graph, inv, table, switch=switch)
+    a, b = 0, 1
+    s = next(i for i, tf in enumerate(plain.tensors) if tf.producer >= 0)
+    assert np.isclose(charged.transfer[s, a, b] - plain.transfer[s, a, b], switch[a, b])
+    assert np.allclose(np.diagonal(charged.transfer[s]), 0.0)
