@@ -88,14 +88,20 @@ def bench_model(name: str, host: PluginHost, runs: int, warmup: int = 15) -> dic
     for _ in range(warmup):
         runner.run(feeds)
     contenders["dspark plan"] = lambda: runner.run(feeds)
-    # Interleaved rounds: every contender once per round, so load drifting on
-    # a shared machine hits all of them alike; medians over rounds.
+    # Interleaved rounds, so load drifting on a shared machine hits every
+    # contender alike; within a round each runs a short block and the block's
+    # first run is dropped, so no contender pays for the previous runtime's
+    # thread pool going idle (that hand-over is the placer's to count, not
+    # the benchmark's). Medians over all kept runs.
     samples: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(runs):
+    block = 4
+    for _ in range(max(1, runs // block)):
         for label, fn in contenders.items():
-            t = time.perf_counter()
             fn()
-            samples[label].append((time.perf_counter() - t) * 1e3)
+            for _ in range(block):
+                t = time.perf_counter()
+                fn()
+                samples[label].append((time.perf_counter() - t) * 1e3)
     row: dict[str, object] = {"model": name, "ops": len(graph.ops), "import_s": import_s}
     for label, xs in samples.items():
         row[label] = statistics.median(xs)
@@ -123,8 +129,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="reuse ~/.cache/dspark calibrations (default: a fresh cache, so every bid is "
+                         "measured under this run's conditions)")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if not args.keep_cache:
+        import os
+        import tempfile
+
+        os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-bench-")
     host = PluginHost().load()
     rows = [bench_model(m, host, args.runs) for m in args.models.split(",")]
     cols = ["torch eager (nn.Module)", *SINGLES.values(), "dspark plan"]
