@@ -216,9 +216,13 @@ class PluginHost:
         try:
             raw = _call_with_timeout(impl.function, args, timeout, f"{name}.{hook}")
             result = _validate(hook, name, raw, kwargs)
-        except HardwareUnavailable:
-            outcome = "no hardware"
-            raise
+        except HardwareUnavailable as exc:
+            if hook == "dspark_probe_devices":
+                outcome = "no hardware"
+                raise
+            outcome = "raised"  # only probing may say the hardware is gone; elsewhere it is a failure
+            self.fail(name, f"{hook} raised HardwareUnavailable: {exc}")
+            return None
         except HookTimeout:
             outcome = "timeout"
             self.fail(name, f"{hook} did not return within {timeout:g} s")

@@ -209,3 +209,20 @@ def test_torch_op_name_table_matches_kernels() -> None:
     from dspark.builtin.torch_ops import KERNELS
 
     assert set(KERNELS) == TORCH_KERNEL_OPS
+
+
+def test_hardware_unavailable_outside_probe_is_a_failure_not_a_crash() -> None:
+    from bad_plugins import Good
+    from dspark import HardwareUnavailable, hookimpl
+
+    class VanishesInBid(Good):
+        @hookimpl
+        def dspark_bid(self, subgraph: object, device: object) -> None:
+            raise HardwareUnavailable("device fell off the bus")
+
+    host = bare_host()
+    host.register(VanishesInBid(), "flaky")
+    device = next(d for d in probe(host).drivers() if d.plugin == "flaky")
+    assert host.call("flaky", "dspark_bid", subgraph=relu_graph().subgraph(), device=device) is None
+    rec = host.records["flaky"]
+    assert rec.status == PluginStatus.FAILED and "fell off the bus" in rec.reason
