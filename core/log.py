@@ -12,6 +12,16 @@ import structlog
 _configured = False
 
 
+class _StderrLogger:
+    """Writes to whatever ``sys.stderr`` is at the time of the call, not at configure time
+    (so a redirected or replaced stderr, e.g. under pytest's capture, never goes stale)."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
 def configure(json: bool | None = None, level: str | None = None) -> None:
     global _configured
     level_name = (level or os.environ.get("DSPARK_LOG_LEVEL", "WARNING")).upper()
@@ -25,7 +35,7 @@ def configure(json: bool | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level_name]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: _StderrLogger(),
         cache_logger_on_first_use=False,
     )
     _configured = True
