@@ -3,7 +3,8 @@
 One ``step`` runs any mix of prefill chunks and decode tokens for many
 sequences: tokens are flattened for the dense parts (norms, projections, MLP)
 and attention is per sequence, with K/V gathered from pages by block table.
-Decode rows are batched into one padded SDPA call; prefill chunks get one
+Decode rows are batched into padded SDPA calls, one per group of similar
+length (K/V gathered slot by slot, index tensors built once per step); prefill chunks get one
 call each (they are few per step and already long).
 """
 
@@ -38,6 +39,10 @@ class _Layer:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
+
+
+# A decode SDPA call's fixed cost, in padded-token equivalents, for grouping rows by length.
+_GROUP_COST = 64
 
 
 class ModelRunner:
@@ -139,21 +144,47 @@ class ModelRunner:
             o += len(ch.token_ids)
         dec = [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1]
         pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
-        dec_rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long)
-        # K/V are gathered a whole page at a time (contiguous page_size*row copies), then
-        # cut to the sequence length; a padded decode batch masks the tail of shorter rows.
-        dec_pages = dec_mask = None
-        dec_len = 0
+        # Decode rows are grouped by length (sorted, then cut where padding a row up to its
+        # group's longest costs more than another SDPA call); each group gathers only its
+        # own tokens' K/V slots with one index_select per layer, the slot indices built once
+        # per step. Rows shorter than their group's longest mask their tail.
+        dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
         if dec:
+            ps = cache.page_size
             lens = [starts[i] + 1 for i in dec]
-            dec_len = max(lens)
-            width = cache.pages_for(dec_len)
-            dec_pages = torch.zeros(len(dec), width, dtype=torch.long)
-            for r, i in enumerate(dec):
-                table = cache.block_tables[chunks[i].seq_id]
-                dec_pages[r, : len(table)] = torch.tensor(table[:width])
-            if min(lens) != dec_len:
-                dec_mask = (torch.arange(dec_len)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+            order = sorted(range(len(dec)), key=lambda r: lens[r])
+            sl = [lens[r] for r in order]
+            # cost[j] = cheapest split of sorted rows [0, j); a group [i, j) costs one call
+            # (worth _GROUP_COST tokens) plus (j - i) rows padded to sl[j - 1].
+            n = len(sl)
+            cost = [0] + [0] * n
+            cut = [0] * (n + 1)
+            for j in range(1, n + 1):
+                best, bi = _GROUP_COST + j * sl[j - 1], 0
+                for i in range(1, j):
+                    c_ = cost[i] + _GROUP_COST + (j - i) * sl[j - 1]
+                    if c_ < best:
+                        best, bi = c_, i
+                cost[j], cut[j] = best, bi
+            bounds, j = [], n
+            while j > 0:
+                bounds.append((cut[j], j))
+                j = cut[j]
+            for a, b in reversed(bounds):
+                members = sorted(order[a:b])  # row order within a group is free; keep step order
+                glen = sl[b - 1]
+                width = cache.pages_for(glen)
+                pages = torch.zeros(len(members), width, dtype=torch.long)
+                for r, m in enumerate(members):
+                    table = cache.block_tables[chunks[dec[m]].seq_id][:width]
+                    pages[r, : len(table)] = torch.tensor(table)
+                slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
+                mask = None
+                if sl[a] != glen:
+                    mlens = torch.tensor([lens[m] for m in members])
+                    mask = (torch.arange(glen)[None, :] < mlens[:, None])[:, None, None, :]
+                rows = torch.tensor([offsets[dec[m]] for m in members], dtype=torch.long)
+                dec_plan.append((rows, glen, slots, mask))
         pre_plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in pre:
             n, s = len(chunks[i].token_ids), starts[i]
@@ -168,8 +199,8 @@ class ModelRunner:
             if devs is not None and devs[li] != x.device:
                 # Crossing to another device: the hidden state and the step's small plan tensors move.
                 d = devs[li]
-                x, cos, sin, write_slots, dec_rows = (t.to(d) for t in (x, cos, sin, write_slots, dec_rows))
-                dec_pages, dec_mask = (None if t is None else t.to(d) for t in (dec_pages, dec_mask))
+                x, cos, sin, write_slots = (t.to(d) for t in (x, cos, sin, write_slots))
+                dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
                 pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
             qkv = F.linear(h, L.w_qkv, L.b_qkv)
@@ -179,17 +210,20 @@ class ModelRunner:
             kc, vc = cache.k[li], cache.v[li]
             kc.view(-1, KVH, D)[write_slots] = k
             vc.view(-1, KVH, D)[write_slots] = v
-            attn = torch.empty(T, H, D, dtype=x.dtype, device=x.device) if pre_plan else None
-            if dec:
-                qd = (q[dec_rows] if pre_plan else q).unsqueeze(2)  # [B, H, 1, D]
-                B = qd.shape[0]
-                kd = kc[dec_pages].view(B, -1, KVH, D)[:, :dec_len].transpose(1, 2)  # [B, KVH, L, D]
-                vd = vc[dec_pages].view(B, -1, KVH, D)[:, :dec_len].transpose(1, 2)
-                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, enable_gqa=H != KVH)
-                if attn is None:  # decode-only step: rows are already in order
+            kflat, vflat = kc.view(-1, KVH, D), vc.view(-1, KVH, D)
+            # A decode-only step with one group has its rows already in order: no gather/scatter of q.
+            whole = not pre_plan and len(dec_plan) == 1
+            attn = None if whole else torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+            for rows, glen, slots, mask in dec_plan:
+                B = rows.shape[0]
+                qd = (q if whole else q.index_select(0, rows)).unsqueeze(2)  # [B, H, 1, D]
+                kd = kflat.index_select(0, slots).view(B, glen, KVH, D).transpose(1, 2)
+                vd = vflat.index_select(0, slots).view(B, glen, KVH, D).transpose(1, 2)
+                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=H != KVH)
+                if attn is None:
                     attn = out.squeeze(2)
                 else:
-                    attn[dec_rows] = out.squeeze(2)
+                    attn.index_copy_(0, rows, out.squeeze(2))
             for off, n, pages, mask in pre_plan:
                 L_ = n if mask is None else mask.shape[1]
                 qp = q[off : off + n].transpose(0, 1).unsqueeze(0)
