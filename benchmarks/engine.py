@@ -7,12 +7,21 @@ In one run, on the embedded model (or ``--model``):
 (b) total output tokens/s at 1, 8, 32, 64 concurrent requests with mixed
     prompt/output lengths (deterministic slices of held-out stdlib files;
     greedy, ``ignore_eos`` so every request yields exactly its max_tokens).
+    Lengths are long-tailed like chat traffic (ShareGPT, vLLM's standard
+    serving workload, has about as many output as prompt tokens and a long
+    tail of long answers): log-normal, clipped to the ranges printed.
     Level N serves ``--per-level`` x N requests (at least 8) three ways, all on
     the same dspark engine (max_batch_size=N), so only the scheduling differs:
       continuous  all submitted at once to ``LLM.generate``; the engine keeps
                   up to N in flight and refills a slot as soon as one finishes
-      static      batches of N; each batch runs until its longest request is
-                  done before the next batch starts (``LLM.generate`` per batch)
+      static      batches of N, run the way static batching runs them
+                  (``transformers`` ``generate`` on a batch, FasterTransformer):
+                  a finished request keeps its batch slot, still computing,
+                  until the batch's longest request is done, and only then does
+                  the next batch start. Emulated on the same engine by giving
+                  every request of a batch the batch's largest max_tokens and
+                  counting only the tokens the request asked for. Prompts are
+                  not padded (that would only make static slower).
       sequential  one ``LLM.generate`` per request
     Continuous and static run once per round (interleaved, median reported);
     the sequential time of each request is measured once, the pool cut into
@@ -36,6 +45,7 @@ import argparse
 import gc
 import os
 import hashlib
+import math
 import random
 import resource
 import shutil
@@ -79,6 +89,12 @@ def stdlib_files(model: Path) -> tuple[list[Path], str]:
     return [root / "sysconfig.py", root / "_sysconfigdata__linux_x86_64-linux-gnu.py"], "sysconfig stdlib files"
 
 
+def long_tailed(rng: random.Random, lo_hi: tuple[int, int]) -> int:
+    """Log-normal length with its median at a third of the range's top, clipped to the range."""
+    lo, hi = lo_hi
+    return max(lo, min(hi, round(rng.lognormvariate(math.log(hi / 3), 0.75))))
+
+
 def make_pool(llm: LLM, model: Path, n: int, plen: tuple[int, int], olen: tuple[int, int],
               seed: int = 0) -> tuple[list[Req], str]:
     files, source = stdlib_files(model)
@@ -90,9 +106,9 @@ def make_pool(llm: LLM, model: Path, n: int, plen: tuple[int, int], olen: tuple[
     pool = []
     for _ in range(n):
         ids = rng.choice(docs)
-        p = rng.randint(*plen)
+        p = long_tailed(rng, plen)
         off = rng.randint(0, len(ids) - p)
-        pool.append(Req(ids[off : off + p], rng.randint(*olen)))
+        pool.append(Req(ids[off : off + p], long_tailed(rng, olen)))
     return pool, source
 
 
@@ -145,7 +161,10 @@ class Level:
         t0 = time.perf_counter()
         out: list[list[int]] = []
         for i in range(0, len(self.reqs), self.n):
-            out += self.run(self.reqs[i : i + self.n])
+            batch = self.reqs[i : i + self.n]
+            hold = max(r.max_tokens for r in batch)  # every slot is held until the longest is done
+            full = self.run([Req(r.prompt, hold) for r in batch])
+            out += [o[: r.max_tokens] for o, r in zip(full, batch)]
         self.static_s.append(time.perf_counter() - t0)
         self.outputs["static"] = out
 
@@ -197,20 +216,22 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=default_model_path())
     ap.add_argument("--dtype", default="float32",
                     help="float32 (default: this CPU has no native bf16 matmul), bfloat16, or auto (= as stored)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for every contender (1 while the machine is shared)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads for every contender; 0 = torch's default (all cores). "
+                    "Use 1 when the machine is shared: OpenMP spin barriers then cost more than they give")
     ap.add_argument("--quick", action="store_true", help="levels 1/8/32, shorter prompts and outputs")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2)")
     ap.add_argument("--per-level", type=int, default=2, help="requests served at level N = this x N (at least 8)")
     ap.add_argument("--levels", type=str, default=None, help="comma list, default 1,8,32,64 (quick 1,8,32)")
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     quick = args.quick
     levels = [int(x) for x in (args.levels or ("1,8,32" if quick else "1,8,32,64")).split(",")]
     rounds = args.rounds or 2
-    plen, olen = ((32, 256), (16, 96)) if quick else ((32, 384), (32, 192))
+    plen, olen = ((16, 256), (8, 192)) if quick else ((16, 384), (8, 320))
     dec_tokens = 64 if quick else 128
     dec_rounds = 3 if quick else 5
     dtype_name = args.dtype
@@ -234,8 +255,12 @@ def main() -> None:
     pool, source = make_pool(probe, model, max(sizes.values()), plen, olen)
     del probe
     max_len = plen[1] + olen[1]
-    print(f"(b) prompts: {source}; prompt {plen[0]}-{plen[1]} tokens, max_tokens {olen[0]}-{olen[1]} "
-          f"(ignore_eos), greedy; requests per level {sizes}; {rounds} interleaved rounds")
+    pl = [len(r.prompt) for r in pool]
+    ol = [r.max_tokens for r in pool]
+    print(f"(b) prompts: {source}; prompt {plen[0]}-{plen[1]} tokens (mean {statistics.fmean(pl):.0f}, median "
+          f"{statistics.median(pl):.0f}), max_tokens {olen[0]}-{olen[1]} (mean {statistics.fmean(ol):.0f}, median "
+          f"{statistics.median(ol):.0f}), log-normal; ignore_eos, greedy; requests per level {sizes}; "
+          f"{rounds} interleaved rounds")
     lv = {n: Level(model, dtype_name, n, pool[: sizes[n]], max_len) for n in levels}
     mark("engines built")
     seq_engine = lv[levels[0]]  # sequential = one request per generate; batch size is irrelevant

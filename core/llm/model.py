@@ -34,11 +34,17 @@ class SeqChunk:
 class _Layer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    w_qkv: torch.Tensor
+    w_qkv_t: torch.Tensor  # [hidden, q+k+v]: stored transposed, see the note below
     b_qkv: torch.Tensor | None
     w_o: torch.Tensor
-    w_gate_up: torch.Tensor
+    w_gate_up_t: torch.Tensor  # [hidden, 2 * intermediate], transposed
     w_down: torch.Tensor
+
+
+# Widening projections (out > in) are stored transposed and run as ``x @ w_t``:
+# MKL's GEMV streams a [in, out] matrix about 1.7x faster than F.linear's
+# [out, in] one when the weights come from DRAM (batch-1 decode), and is no
+# slower for prefill-sized batches. Narrowing ones (o, down) are faster as F.linear.
 
 
 # A decode SDPA call's fixed cost, in padded-token equivalents, for grouping rows by length.
@@ -51,7 +57,8 @@ class ModelRunner:
         self.dtype = dtype
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head_t = head.t().contiguous()  # [hidden, vocab]; a copy even when tied (see the note on _Layer)
         self.inv_freq = inv_frequencies(cfg)
         self.layers: list[_Layer] = []
         for n in range(cfg.num_hidden_layers):
@@ -64,10 +71,11 @@ class ModelRunner:
             self.layers.append(_Layer(
                 in_norm=weights[p + "input_layernorm.weight"],
                 post_norm=weights[p + "post_attention_layernorm.weight"],
-                w_qkv=torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]),
+                w_qkv_t=torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]).t().contiguous(),
                 b_qkv=bias,
                 w_o=weights[a + "o_proj.weight"],
-                w_gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                w_gate_up_t=torch.cat([weights[p + "mlp.gate_proj.weight"],
+                                       weights[p + "mlp.up_proj.weight"]]).t().contiguous(),
                 w_down=weights[p + "mlp.down_proj.weight"],
             ))
         # Per-layer torch devices once place() ran with anything but the CPU; None = all on the CPU.
@@ -86,14 +94,13 @@ class ModelRunner:
             raise ValueError(f"{len(layer_devices)} layer devices for {len(self.layers)} layers")
         devs = [torch.device(d) for d in layer_devices]
         for L, d in zip(self.layers, devs):
-            for name in ("in_norm", "post_norm", "w_qkv", "b_qkv", "w_o", "w_gate_up", "w_down"):
+            for name in ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down"):
                 t = getattr(L, name)
                 if t is not None:
                     setattr(L, name, t.to(d))
-        tied = self.lm_head is self.embed
         self.embed = self.embed.to(embed_device)
         self.norm = self.norm.to(head_device)
-        self.lm_head = self.embed.to(head_device) if tied else self.lm_head.to(head_device)
+        self.lm_head_t = self.lm_head_t.to(head_device)
         generic = any(d != torch.device("cpu") for d in devs + [torch.device(embed_device), torch.device(head_device)])
         self.layer_devices = devs if generic else None
 
@@ -203,7 +210,9 @@ class ModelRunner:
                 dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
                 pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
-            qkv = F.linear(h, L.w_qkv, L.b_qkv)
+            qkv = h @ L.w_qkv_t
+            if L.b_qkv is not None:
+                qkv = qkv + L.b_qkv
             qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
@@ -238,7 +247,7 @@ class ModelRunner:
             h = self._rms(x, L.post_norm)
             mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and pre_plan else None
             if mlp is None:
-                gu = F.linear(h, L.w_gate_up)
+                gu = h @ L.w_gate_up_t
                 g, u = gu.chunk(2, dim=-1)
                 mlp = F.linear(F.silu(g) * u, L.w_down)
             x = x + mlp
@@ -253,7 +262,7 @@ class ModelRunner:
         sel = torch.cat(rows)
         if devs is not None:
             x, sel = x.to(self.norm.device), sel.to(self.norm.device)
-        logits = F.linear(self._rms(x[sel], self.norm), self.lm_head).float()
+        logits = (self._rms(x[sel], self.norm) @ self.lm_head_t).float()
         if devs is not None:
             logits = logits.cpu()  # the sampler and its generators live on the host
         result, o = [], 0

@@ -348,8 +348,8 @@ class DenseOffload:
 
     def weights(self, li: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         L = self.runner.layers[li]
-        inter = L.w_gate_up.shape[0] // 2
-        gu = L.w_gate_up.detach().float().cpu().numpy()
+        inter = L.w_gate_up_t.shape[1] // 2
+        gu = L.w_gate_up_t.t().detach().float().cpu().numpy()
         return gu[:inter], gu[inter:], L.w_down.detach().float().cpu().numpy()
 
     def executable(self, li: int, bucket: int) -> Executable:
