@@ -1,17 +1,35 @@
-"""LLM serving: checkpoint loading, paged KV cache, our own runner, continuous batching."""
+"""LLM serving: checkpoint loading, paged KV cache, our own runner, continuous batching.
+
+Names are imported lazily so that ``dspark.llm.config`` (validated by the
+server before anything else) does not pay for importing torch.
+"""
 
 from __future__ import annotations
 
-from dspark.llm.api import LLM, AsyncLLMEngine, default_model_path
-from dspark.llm.config import EngineConfig
-from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput, Usage
-from dspark.llm.kv_cache import PagedKVCache, PageAllocator
-from dspark.llm.loader import CheckpointError, ModelConfig, load_checkpoint
-from dspark.llm.model import ModelRunner, SeqChunk
-from dspark.llm.sampling import SamplingParams
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "LLM", "AsyncLLMEngine", "CheckpointError", "EngineConfig", "EngineStats", "LLMEngine", "ModelConfig",
-    "ModelRunner", "PageAllocator", "PagedKVCache", "RequestOutput", "SamplingParams", "SeqChunk", "Usage",
-    "default_model_path", "load_checkpoint",
-]
+if TYPE_CHECKING:
+    from dspark.llm.api import LLM, AsyncLLMEngine, default_model_path
+    from dspark.llm.config import EngineConfig
+    from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput, Usage
+    from dspark.llm.kv_cache import PageAllocator, PagedKVCache
+    from dspark.llm.loader import CheckpointError, ModelConfig, load_checkpoint
+    from dspark.llm.model import ModelRunner, SeqChunk
+    from dspark.llm.sampling import SamplingParams
+
+_WHERE = {
+    "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "EngineConfig": "config",
+    "EngineStats": "engine", "LLMEngine": "engine", "RequestOutput": "engine", "Usage": "engine",
+    "PageAllocator": "kv_cache", "PagedKVCache": "kv_cache", "CheckpointError": "loader",
+    "ModelConfig": "loader", "load_checkpoint": "loader", "ModelRunner": "model", "SeqChunk": "model",
+    "SamplingParams": "sampling",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dspark.llm.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dspark.llm' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: ``dspark serve`` (see docs/server.md)."""

@@ -1,0 +1,238 @@
+"""Prometheus metrics, all prefixed ``dspark_``, in a registry of the server's own.
+
+Request-level series (latencies, token counters) are updated as requests
+finish; engine state (queue lengths, KV cache, preemptions, speculative
+counters, device memory) is read by a custom collector at scrape time, so a
+scrape costs one ``engine.stats()`` call and no work between scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dspark.llm import AsyncLLMEngine, RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device whose memory is reported: ``read()`` returns bytes in use (cheap: no probing)."""
+
+    device: str
+    total_bytes: int | None
+    read: Callable[[], int]
+
+
+def probe_devices(engine: AsyncLLMEngine) -> list[DeviceMemory]:
+    """The devices the engine holds memory on, looked up once at startup.
+
+    The CPU is always one (this process's resident set); CUDA devices are the
+    ones the engine's layer placement put pieces on.
+    """
+    proc = psutil.Process()
+    devs = [DeviceMemory("cpu", psutil.virtual_memory().total, lambda: int(proc.memory_info().rss))]
+    placement = getattr(engine.engine, "placement", None)
+    used = set(placement.device_bytes()) if placement is not None else set()
+    for dev in sorted(d for d in used if d.startswith("cuda:")):
+        import torch
+
+        idx = int(dev.split(":")[1])
+        total = int(torch.cuda.get_device_properties(idx).total_memory)
+        # reserved = what the caching allocator holds, the figure nvidia-smi shows for this process
+        devs.append(DeviceMemory(dev, total, lambda i=idx: int(torch.cuda.memory_reserved(i))))  # type: ignore[misc]
+    return devs
+
+
+class _EngineCollector(Collector):
+    """Reads engine state when Prometheus scrapes."""
+
+    def __init__(self, engine: AsyncLLMEngine, devices: list[DeviceMemory], spec_strategy: str | None) -> None:
+        self.engine, self.devices, self.spec_strategy = engine, devices, spec_strategy
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"dspark_{name}", doc, value=value)
+
+        yield gauge("requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("requests_waiting", "Sequences queued for a batch slot or KV pages.", s.num_waiting)
+        yield gauge("kv_cache_used_bytes", "KV cache bytes held by sequences (whole pages).", s.kv_used_bytes)
+        yield gauge("kv_cache_total_bytes", "KV cache capacity in bytes.", s.kv_total_bytes)
+        yield gauge("kv_cache_usage_ratio", "Used KV pages / all KV pages.", s.kv_usage)
+        yield gauge("kv_cache_fragmentation_ratio", "Unused slots in held pages / held slots.", s.kv_fragmentation)
+        yield gauge("batch_size_limit", "The scheduler's current batch limit (adaptive or fixed).",
+                    s.effective_max_batch)
+        yield CounterMetricFamily("dspark_preemptions", "Sequences preempted (pages reclaimed, recomputed later).",
+                                  value=s.num_preemptions)
+        yield from self._speculative(s)
+        used = GaugeMetricFamily("dspark_device_memory_used_bytes",
+                                 "Memory in use per device (CPU: process RSS; CUDA: allocator reserved).",
+                                 labels=["device"])
+        total = GaugeMetricFamily("dspark_device_memory_total_bytes", "Memory capacity per device.",
+                                  labels=["device"])
+        for d in self.devices:
+            used.add_metric([d.device], d.read())
+            if d.total_bytes is not None:
+                total.add_metric([d.device], d.total_bytes)
+        yield used
+        yield total
+
+    def _speculative(self, s: Any) -> Iterator[Metric]:
+        # Read with getattr: an engine without speculative decoding has none of these fields (all 0 then).
+        drafts = int(getattr(s, "spec_drafts", 0) or 0)
+        draft_tokens = int(getattr(s, "spec_draft_tokens", 0) or 0)
+        accepted = int(getattr(s, "spec_accepted_tokens", 0) or 0)
+        yield CounterMetricFamily("dspark_spec_decode_drafts", "Drafts verified ((sequence, step) pairs).",
+                                  value=drafts)
+        yield CounterMetricFamily("dspark_spec_decode_draft_tokens", "Tokens proposed by the drafters.",
+                                  value=draft_tokens)
+        yield CounterMetricFamily("dspark_spec_decode_accepted_tokens", "Draft tokens the target model accepted.",
+                                  value=accepted)
+        yield CounterMetricFamily("dspark_spec_decode_drafter_failures", "Drafter calls that failed.",
+                                  value=int(getattr(s, "spec_drafter_failures", 0) or 0))
+        yield GaugeMetricFamily("dspark_spec_decode_acceptance_rate",
+                                "Accepted / proposed draft tokens since start (0 before any).",
+                                value=accepted / draft_tokens if draft_tokens else 0.0)
+        yield GaugeMetricFamily("dspark_spec_decode_mean_accepted_length", "Accepted tokens per draft since start.",
+                                value=accepted / drafts if drafts else 0.0)
+        enabled = GaugeMetricFamily("dspark_spec_decode_enabled", "1 when speculative decoding is on.",
+                                    labels=["strategy"])
+        strategy = getattr(s, "spec_strategy", None) or self.spec_strategy
+        enabled.add_metric([strategy or "off"], 1.0 if strategy else 0.0)
+        yield enabled
+        labels = ["drafter", "plugin"]
+        d_tokens = CounterMetricFamily("dspark_spec_decode_drafter_draft_tokens", "Tokens proposed, per drafter.",
+                                       labels=labels)
+        d_acc = CounterMetricFamily("dspark_spec_decode_drafter_accepted_tokens", "Tokens accepted, per drafter.",
+                                    labels=labels)
+        d_time = CounterMetricFamily("dspark_spec_decode_drafter_seconds", "Time spent drafting, per drafter.",
+                                     labels=labels)
+        for name, d in (getattr(s, "spec_drafters", None) or {}).items():
+            key = [str(name), str(d.get("plugin") or "")]
+            d_tokens.add_metric(key, float(d.get("draft_tokens", 0)))
+            d_acc.add_metric(key, float(d.get("accepted_tokens", 0)))
+            d_time.add_metric(key, float(d.get("draft_ms", 0.0)) / 1e3)
+        yield d_tokens
+        yield d_acc
+        yield d_time
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine, *, model_name: str, spec_strategy: str | None = None,
+                 devices: list[DeviceMemory] | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        r.register(_EngineCollector(engine, devices if devices is not None else probe_devices(engine), spec_strategy))
+        Gauge("dspark_model_info", "The served model (value 1).", ["model_name"], registry=r).labels(model_name).set(1)
+        self.ttft = Histogram("dspark_time_to_first_token_seconds", "Request arrival to its first output token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("dspark_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, one sample per request.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("dspark_e2e_request_latency_seconds", "Request arrival to its last token (or abort).",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens prefilled (once per sequence).",
+                                     registry=r)
+        self.generation_tokens = Counter("dspark_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("dspark_requests_finished", "Sequences finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.http = Counter("dspark_http_requests", "HTTP requests served, by route and status code.",
+                            ["route", "status"], registry=r)
+        self.partition = Histogram("dspark_partition_latency_seconds",
+                                   "Measured time of one execution of a model partition, by the plugin running it.",
+                                   ["plugin", "device", "partition"], buckets=_STEP_BUCKETS, registry=r)
+        self.partition_predicted = Gauge("dspark_partition_predicted_latency_seconds",
+                                         "The placer's predicted time of a partition per step.",
+                                         ["plugin", "device", "partition"], registry=r)
+
+    def sequence(self, prompt_tokens: int, arrival: float | None = None) -> SequenceTimer:
+        """``arrival``: ``time.perf_counter()`` when the HTTP request came in (default: now)."""
+        return SequenceTimer(self, prompt_tokens, arrival)
+
+    def instrument_engine(self, engine: AsyncLLMEngine) -> None:
+        """Time each forward step and each offloaded MLP call, labelled by who runs it."""
+        eng = engine.engine
+        runner = eng.runner
+        placement = getattr(eng, "placement", None)
+        devices = "cpu" if placement is None else "+".join(sorted({p.device_id for p in placement.layers}))
+        if placement is not None:
+            for part in placement.plan.partitions:
+                self.partition_predicted.labels(part.plugin, part.device, f"p{part.id}").set(part.predicted_ms / 1e3)
+        # torch executes the layers wherever the placer put them; the forward is the torch partition.
+        full = self.partition.labels("torch", devices, "forward")
+        early = self.partition.labels("torch", devices, "draft")  # self-drafting: the first layers only
+        step = getattr(runner, "step", None)
+        if step is None:  # a runner without a per-step forward: nothing to time
+            return
+
+        def timed_step(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return step(*a, **kw)
+            finally:
+                (early if kw.get("exit_layer") else full).observe(time.perf_counter() - t0)
+
+        runner.step = timed_step
+        offload, decision = getattr(eng, "dense_offload", None), getattr(eng, "dense_offload_decision", None)
+        mlp = runner.mlp_offload
+        if offload is not None and decision is not None and mlp is not None:
+            mlp_hist = self.partition.labels(decision.plugin, decision.device_id, "mlp")
+
+            def timed_mlp(li: int, h: Any) -> Any:
+                t0 = time.perf_counter()
+                out = mlp(li, h)
+                if out is not None:  # None: torch ran it after all
+                    mlp_hist.observe(time.perf_counter() - t0)
+                return out
+
+            runner.mlp_offload = timed_mlp
+
+
+class SequenceTimer:
+    """Per-sequence latency bookkeeping; ``finish`` records once, whichever way the sequence ends."""
+
+    def __init__(self, m: ServerMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
+        self.m, self.prompt = m, prompt_tokens
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.first: float | None = None
+        self.last = self.arrival
+        self.tokens = 0
+        self.done = False
+
+    def update(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if self.first is None and out.token_ids:
+            self.first = now
+            self.m.ttft.observe(now - self.arrival)
+        self.last, self.tokens = now, len(out.token_ids)
+        if out.finished:
+            self.finish(out.finish_reason or "stop")
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.first is not None:  # its prompt was prefilled
+            self.m.prompt_tokens.inc(self.prompt)
+            self.m.generation_tokens.inc(self.tokens)
+            if self.tokens > 1:
+                self.m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        if reason != "abort":  # an abandoned request's lifetime is the client's, not ours
+            self.m.e2e.observe(time.perf_counter() - self.arrival)
+        self.m.finished.labels(reason).inc()
