@@ -16,6 +16,7 @@ from dspark.types import (
     Device,
     Draft,
     Drafter,
+    DraftRequest,
     DrafterSpec,
     Executable,
     HardwareUnavailable,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "Drafter", "DrafterSpec", "Executable",
+    "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
     "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
     "QuantSpec", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
     "__version__",

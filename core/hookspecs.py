@@ -1,9 +1,10 @@
-"""The dspark plugin contract (API version 1.0).
+"""The dspark plugin contract (API version 1.1).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.0"``; the core accepts the
-same major version with a minor version not newer than its own.
+was written against as ``DSPARK_API_VERSION = "1.1"``; the core accepts the
+same major version with a minor version not newer than its own (a "1.0"
+plugin keeps working).
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
 
 PROJECT = "dspark"
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -145,11 +146,20 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
     model.
 
     :param target: the verifier model: name, local path, architecture, vocab
-        size, layer count, tokenizer fingerprint.
+        size, layer count, tokenizer fingerprint; ``properties`` carries the
+        checkpoint's extra config (e.g. ``early_exit_layers``) and, since API
+        1.1, ``runtime`` is the in-process engine (``runtime.runner``,
+        ``runtime.cache``) when the target runs in this process.
 
     Return a list of :class:`~dspark.types.DrafterSpec` (name, kind, and a
     ``create()`` factory for a :class:`~dspark.types.Drafter`), or ``None``
     when the plugin has nothing for this model (e.g. a tokenizer mismatch).
+    A drafter needs only ``propose(tokens, k)``; since API 1.1 it may add
+    ``propose_batch(requests)``, ``commit(seq_id, num_tokens)`` and
+    ``release(seq_id)`` (see :class:`~dspark.types.Drafter`). Drafters run in
+    the engine's thread during generation: one that raises or returns a
+    malformed draft is reported and disabled for the rest of the run, and the
+    requests go on without it.
 
     Combining: all plugins are called; every offer is kept, and the
     speculative-decoding controller chooses among them at run time from

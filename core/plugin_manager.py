@@ -34,7 +34,9 @@ from dspark.types import (
 
 log = get_logger("dspark.plugins")
 
-BUILTINS: dict[str, str] = {"torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram"}
+BUILTINS: dict[str, str] = {
+    "torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram", "drafters": "dspark.builtin.drafters",
+}
 ENTRY_POINT_GROUP = "dspark"
 
 

@@ -8,6 +8,8 @@ models; a value that does not validate is dropped and the plugin is reported
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -162,7 +164,17 @@ class Executable(Protocol):
 
 
 class Draft(BaseModel):
-    """Tokens proposed by a drafter, with their proposal distributions when known."""
+    """Tokens proposed by a drafter, with their proposal distributions when known.
+
+    ``probs`` must be the distributions the tokens were *sampled* from: the
+    verifier's rejection rule (accept with min(1, p/q)) is only lossless for
+    those. A drafter that picks its tokens deterministically (argmax, lookup)
+    leaves ``probs`` at None and the verifier treats each token as certain
+    (q one-hot), which is lossless too. ``confidence`` (API 1.1) is the
+    drafter's own estimate that each token is right, e.g. its probability
+    for the token; the speculative-decoding controller learns from it how far
+    a draft is worth verifying.
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -170,11 +182,48 @@ class Draft(BaseModel):
     probs: np.ndarray | None = Field(
         None, description="(len(tokens), vocab) proposal probabilities; None for deterministic drafters."
     )
+    confidence: list[float] | None = Field(
+        None, description="Per token, the drafter's estimate in [0, 1] that it is right (API 1.1); None = unknown."
+    )
+
+
+@dataclass(eq=False)
+class DraftRequest:
+    """One sequence's drafting job in a batched call (``Drafter.propose_batch``, API 1.1).
+
+    ``tokens`` is the sequence's whole context (prompt and output so far);
+    treat it as read-only. The same ``seq_id`` comes back every step with a
+    context that extends the previous one by the tokens the verifier kept,
+    so a stateful drafter (one with its own KV cache) can keep what still
+    matches and roll back the rest.
+    """
+
+    seq_id: str
+    tokens: list[int]
+    k: int
+    temperature: float = 0.0  # > 0: the drafter may sample, and must then return the probs it sampled from
+    generator: Any = None  # a torch.Generator to sample with (seeded requests stay reproducible), or None
+    # Called by the drafter after its j-th token (1-based) with that token's confidence; False means
+    # the controller expects no gain from more tokens of this sequence, so stop drafting it.
+    keep_going: Callable[[int, float], bool] | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes up to ``k`` continuation tokens for a token sequence."""
+    """Proposes up to ``k`` continuation tokens for a token sequence.
+
+    Only ``propose`` is required. A drafter may also define (API 1.1), and the
+    engine then uses them:
+
+    - ``propose_batch(requests: list[DraftRequest]) -> list[Draft]``: all the
+      step's sequences at once (a draft model runs one forward per draft
+      position for the whole batch), one ``Draft`` per request, in order.
+    - ``commit(seq_id: str, num_tokens: int)``: after verification, only the
+      first ``num_tokens`` tokens of the last proposal's context followed by
+      its draft are final; state beyond them (K/V of rejected tokens) can be
+      dropped now.
+    - ``release(seq_id: str)``: the sequence is finished; free its state.
+    """
 
     def propose(self, tokens: list[int], k: int) -> Draft: ...
 
@@ -190,6 +239,10 @@ class TargetModel(_Strict):
     hidden_size: int = Field(gt=0)
     tokenizer_fingerprint: str = ""
     properties: dict[str, Any] = Field(default_factory=dict)
+    runtime: Any = Field(
+        None, exclude=True, repr=False,
+        description="API 1.1: the in-process engine running the target (its ``runner`` and KV ``cache``), so a "
+        "drafter can reuse the target's own weights and cache (self-speculation); None when not in-process.")
 
 
 class DrafterSpec(BaseModel):

@@ -136,7 +136,7 @@ def test_json_shape_with_all_plugins() -> None:
 def test_autoload_kill_switch_from_the_environment() -> None:
     res = dspark("devices", "--json", env={"DSPARK_DISABLE_PLUGIN_AUTOLOAD": "1"})
     names = {p["name"] for p in json.loads(res.stdout)["plugins"]}
-    assert names == {"torch", "ngram"}
+    assert names == {"torch", "ngram", "drafters"}
 
 
 def test_cold_start_is_fast() -> None:

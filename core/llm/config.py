@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SchedulerPolicy = Literal["fcfs_with_priority", "fcfs"]
 # Which running sequence gives its pages back when a step runs out of them:
@@ -14,8 +14,70 @@ SchedulerPolicy = Literal["fcfs_with_priority", "fcfs"]
 PreemptionPolicy = Literal["newest_first", "oldest_first", "lowest_priority_first"]
 
 
-class EngineConfig(BaseModel):
+SpecStrategy = Literal["deepspec", "fixed", "off"]
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (``speculative_decoding={...}`` in ``LLM(...)`` and the server config).
+
+    ``deepspec`` lets the adaptive controller pick, per request and step, the
+    drafter and the number of drafted tokens (0 = plain decoding) from
+    predicted acceptance and measured costs; ``fixed`` always drafts
+    ``num_speculative_tokens`` with one drafter (the first of ``drafters``, or
+    by preference the draft model, then self-drafting, then n-gram lookup).
+
+    Greedy output is token-identical to plain decoding. Sampled output keeps
+    the target's distribution exactly (the rejection rule), but a seeded
+    request's tokens also depend on the drafts it was verified against, and
+    under ``deepspec`` on timings, so they are not bit-reproducible the way
+    plain seeded sampling is.
+    """
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="false turns speculation off whatever the strategy")
+    strategy: SpecStrategy = "deepspec"
+    draft_model: str = Field(
+        "auto", description="'auto' = a draft checkpoint made for the target if one is found (the embedded "
+        "model's draft), 'none' = no separate draft model, or a checkpoint directory with the target's vocabulary")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="k of the fixed strategy")
+    max_k: int = Field(16, ge=1, le=16, description="most tokens DeepSpec drafts per sequence and step (it "
+                       "picks fewer, down to 0, where they do not pay; long drafts pay in copies and loops)")
+    conservative: bool = Field(False, description="cap k for long open-ended text (and long contexts)")
+    exit_layer: int | Literal["auto"] = Field(
+        "auto", description="self-drafting exit layer: 'auto' = chosen by measured acceptance and cost among the "
+        "early-exit layers the model was trained with and the lower half of its layers; or a layer count >= 1")
+    drafters: list[str] | None = Field(
+        None, description="drafters to use, by name or kind (model, self, ngram, other); None = every offer")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return {"enabled": v}
+        if isinstance(v, dict) and v.get("draft_model", "auto") is None:
+            v = {**v, "draft_model": "none"}
+        return v
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _alias(cls, v: Any) -> Any:
+        return "deepspec" if v == "deepspec_v2" else v  # the seed's name for the same strategy
+
+    @field_validator("exit_layer")
+    @classmethod
+    def _exit(cls, v: Any) -> Any:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"exit_layer must be 'auto' or >= 1, got {v}")
+        return v
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.strategy != "off"
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     max_batch_size: int = Field(32, ge=1, description="sequences in one step at most")
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens; default: the model's max_position_embeddings")
@@ -34,3 +96,6 @@ class EngineConfig(BaseModel):
     dense_offload: str = Field(
         "off", description="prefill MLP through another plugin's compiled executable: 'off', 'auto' (when its "
         "bid beats torch's by a margin) or a plugin name to force it")
+    speculative: SpeculativeConfig = Field(
+        default_factory=lambda: SpeculativeConfig(enabled=False), alias="speculative_decoding",
+        description="speculative decoding; a dict of SpeculativeConfig fields, or true/false")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,25 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     effective_max_batch: int
+    # Speculative decoding (all zero when it is off); the totals over every drafter:
+    spec_strategy: str | None = None
+    spec_drafts: int = 0  # (sequence, step) pairs that verified a draft
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0  # accepted tokens per draft
+    spec_drafter_failures: int = 0
+    spec_explore_steps: int = 0  # drafts DeepSpec made only to re-measure drafting costs
+    spec_calibration_error: float | None = None  # the acceptance predictor's expected calibration error
+    spec_drafters: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, per drafter
 
 
 class LLMEngine:
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
-                 config: EngineConfig | None = None, **config_kw: Any) -> None:
+                 config: EngineConfig | None = None, plugin_host: Any = None, **config_kw: Any) -> None:
         if config is not None and config_kw:
             raise TypeError("pass either config= or engine keyword arguments, not both")
+        self.model_path = Path(model)
         self.runner = ModelRunner.from_pretrained(str(model), dtype)
         mcfg = self.runner.cfg
         cfg = config or EngineConfig(**config_kw)
@@ -99,6 +111,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._default_gen = torch.Generator().manual_seed(0)
+        self.spec: Any = None  # dspark.llm.speculative.SpecDecoder when speculative decoding is on
+        if cfg.speculative.active:
+            from dspark.llm.speculative import SpecDecoder
+
+            self.spec = SpecDecoder(self, cfg.speculative, plugin_host)
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -154,6 +171,8 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        if self.spec is not None:
+            self.spec.release(request_id)
         return self._output(seq)
 
     def abort_all(self) -> None:
@@ -170,6 +189,9 @@ class LLMEngine:
         if not planned:
             return []
         t0 = time.perf_counter()
+        if self.spec is not None:
+            spec_out: list[RequestOutput] = self.spec.step(planned, t0)
+            return spec_out
         chunks = [SeqChunk(p.seq.request_id, p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.num_tokens])
                   for p in planned]
         logits = self.runner.step(self.cache, chunks)
@@ -189,12 +211,14 @@ class LLMEngine:
         self.scheduler.record_step((time.perf_counter() - t0) * 1e3)
         return outputs
 
-    def _check_stop(self, seq: Sequence, tok: int) -> None:
+    def _check_stop(self, seq: Sequence, tok: int, decode: bool = True) -> None:
+        """Finish ``seq`` if ``tok`` (just appended) ends it. ``decode=False`` skips decoding the text,
+        for a caller appending several tokens at once that decodes once afterwards (``_set_text``);
+        only allowed without stop strings, which need the text after every token."""
         p = seq.params
         stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
-        ids = seq.output_ids[:-1] if stop_tok else seq.output_ids
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if decode or p.stop:
+            self._set_text(seq, stop_tok)
         reason = "stop" if stop_tok else None
         if p.stop and reason is None:
             # The earliest match wins; text before it is the output.
@@ -206,6 +230,12 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def _set_text(self, seq: Sequence, drop_last: bool) -> None:
+        """``seq.text`` from its output tokens, less the last one when that is a stop token."""
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is Status.FINISHED
@@ -230,6 +260,7 @@ class LLMEngine:
             kv_fragmentation=kv.fragmentation, page_size=kv.page_size, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
             effective_max_batch=self.scheduler.effective_max_batch,
+            **(self.spec.stats() if self.spec is not None else {}),
         )
 
 

@@ -128,8 +128,13 @@ class ModelRunner:
         return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype)
 
     @torch.inference_mode()
-    def step(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """Run one forward; returns per chunk fp32 logits, [vocab] or [n, vocab] if ``all_logits``."""
+    def step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None = None) -> list[torch.Tensor]:
+        """Run one forward; returns per chunk fp32 logits, [vocab] or [n, vocab] if ``all_logits``.
+
+        ``exit_layer=E`` runs only the first E layers, then the final norm and
+        the LM head (early exit, for self-drafting); only those layers' K/V are
+        written, and the sequence lengths advance as for a full step.
+        """
         c = self.cfg
         H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         starts: list[int] = []
@@ -202,7 +207,7 @@ class ModelRunner:
         devs = self.layer_devices
         x = self.embed[tokens if devs is None else tokens.to(self.embed.device)]
         T = x.shape[0]
-        for li, L in enumerate(self.layers):
+        for li, L in enumerate(self.layers if exit_layer is None else self.layers[:exit_layer]):
             if devs is not None and devs[li] != x.device:
                 # Crossing to another device: the hidden state and the step's small plan tensors move.
                 d = devs[li]

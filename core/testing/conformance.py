@@ -25,7 +25,7 @@ from dspark.plugin_manager import PluginHost, _api_problem, _call_with_timeout
 from dspark.settings import PluginSettings
 from dspark.testing.op_cases import MLP_CASE, OpCase, op_case, op_cases
 from dspark.types import (
-    TOLERANCES, Bid, Device, Draft, HardwareUnavailable, PluginRecord, PluginStatus, QuantSpec,
+    TOLERANCES, Bid, Device, Draft, DraftRequest, HardwareUnavailable, PluginRecord, PluginStatus, QuantSpec,
     TargetModel,
 )
 
@@ -416,6 +416,19 @@ class ConformanceKit:
                 if draft.probs is not None and np.shape(draft.probs)[:1] != (len(draft.tokens),):
                     return CheckResult("drafter proposes", name, ok=False,
                                        detail=f"probs shape {np.shape(draft.probs)} for {len(draft.tokens)} tokens")
+            if callable(getattr(drafter, "propose_batch", None)):  # API 1.1, optional
+                reqs = [DraftRequest("conformance-a", list(tokens), 3), DraftRequest("conformance-b", tokens[:7], 2)]
+                drafts = _call_with_timeout(drafter.propose_batch, [reqs], timeout, f"{self.name}.{name}.propose_batch")
+                if len(drafts) != len(reqs) or not all(isinstance(d, Draft) for d in drafts):
+                    return CheckResult("drafter proposes", name, ok=False,
+                                       detail=f"propose_batch returned {_short(drafts)} for {len(reqs)} requests")
+                if any(len(d.tokens) > r.k for d, r in zip(drafts, reqs)):
+                    return CheckResult("drafter proposes", name, ok=False,
+                                       detail="propose_batch returned more tokens than a request's k")
+                for r in reqs:
+                    for method, args in (("commit", (r.seq_id, len(r.tokens))), ("release", (r.seq_id,))):
+                        if callable(getattr(drafter, method, None)):
+                            getattr(drafter, method)(*args)
         except Exception as exc:  # anything the plugin's code raises is a finding
             return CheckResult("drafter proposes", name, ok=False, detail=f"{type(exc).__name__}: {exc}")
         return CheckResult("drafter proposes", name, detail=f"last draft {draft.tokens} for k=4")
@@ -511,3 +524,8 @@ class PluginConformance:
 
     def test_drafters(self) -> None:
         self._assert(self._kit().check_drafters())
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -44,11 +44,11 @@ def train_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def make_checkpoint(out: Path, variant: str, seed: int = 0) -> Path:
+def make_checkpoint(out: Path, variant: str, seed: int = 0, **overrides: Any) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    kw = {**BASE, **VARIANTS[variant]}
+    kw = {**BASE, **VARIANTS[variant], **overrides}
     mt = kw.pop("model_type")
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[mt]
@@ -68,3 +68,40 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[lis
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def make_draft_checkpoint(target: Path, out: Path, noise: float, seed: int = 1) -> Path:
+    """A draft for ``target``: its weights plus Gaussian noise (``noise`` x each tensor's std), same tokenizer.
+
+    noise=0 drafts exactly what the target would (every draft accepted); larger noise, less agreement.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(str(target / "model.safetensors"))
+    noisy = {k: (v + noise * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
+             if v.ndim > 1 else v.clone() for k, v in weights.items()}
+    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["dspark_draft_for"] = target.name
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "generation_config.json"):
+        if (target / f).exists():
+            shutil.copy(target / f, out / f)
+    return out
+
+
+def make_small_vocab_checkpoint(out: Path, vocab: int = 8, layers: int = 2, seed: int = 0) -> Path:
+    """A tokenizer-less model over ``vocab`` tokens whose next-token distributions are far from uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      bos_token_id=0, eos_token_id=1, initializer_range=0.5)
+    LlamaForCausalLM(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,341 @@
+"""Speculative decoding benchmark (issue 6): DeepSpec vs plain, fixed drafters and transformers.
+
+Usage: .venv/bin/python benchmarks/speculative.py [--quick] [--threads 1] [--model DIR] [--rounds N]
+
+In one run, on the embedded model (or ``--model``), greedy, one request at a
+time (batch 1, the setting of transformers' assisted generation), three
+workloads:
+
+  code   code completion of held-out standard-library files: the prompt is
+         the first part of a file (``heldout_files.txt`` next to the model:
+         files the model never saw)
+  edit   edit-like prompts that repeat much of their context: a window of a
+         held-out file, a blank line, then the window's first third again,
+         so the natural continuation re-types the rest with small changes
+  open   open-ended generation from short prompts ("def ", "import os\\n", ...)
+
+Contenders, every one on the same checkpoint, dtype and thread count:
+
+  plain           dspark without speculation
+  fixed D k       dspark, strategy fixed, drafter D (draft model, self-draft,
+                  n-gram lookup), k drafted tokens; k swept over 1..8 (quick:
+                  1, 2, 4, 8) in one pass, then the best k per drafter (on the
+                  mix of workloads) timed with the others
+  deepspec        dspark, strategy deepspec (all drafters offered; the
+                  controller picks drafter and k per step)
+  hf / hf-assist / hf-lookup
+                  transformers ``generate``: plain, assisted generation with
+                  the same draft model (its default schedule), prompt lookup
+                  (``prompt_lookup_num_tokens=10``)
+
+Every contender gets one untimed warm-up pass over all workloads (DeepSpec's
+predictor and cost model learn online, as they would from earlier traffic in
+a server), then ``--rounds`` interleaved timed rounds (each round runs every
+contender over every workload); tokens/s = generated tokens / median time.
+Output lengths are fixed (``ignore_eos``), and every dspark contender's
+tokens are checked identical to plain decoding. Printed: tokens/s per
+workload, ratios, acceptance per drafter, the predictor's calibration
+(predicted vs observed acceptance per bucket), and the measured cost ratios
+(draft step vs target step, verify k tokens vs one) that decide whether a
+drafter pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.llm.api import default_model_path
+
+WORKLOADS = ("code", "edit", "open")
+OPEN_PROMPTS = ["def ", "import os\n", "class ", "# ", "if __name__ == ", "for i in ", "return ", "\"\"\""]
+
+
+def heldout(model: Path) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    listing = model / "heldout_files.txt"
+    names = listing.read_text().split() if listing.exists() else ["sysconfig.py", "statistics.py", "socket.py"]
+    return [root / n for n in names if (root / n).exists()]
+
+
+def make_workloads(llm: LLM, model: Path, n: int, out_tokens: int) -> dict[str, list[list[int]]]:
+    tok = llm.engine.tokenizer
+    docs = [ids for f in heldout(model) if len(ids := tok.encode(f.read_text(errors="replace")).ids) > 400]
+    docs.sort(key=len, reverse=True)
+    code = [d[:256] for d in docs[:n]]
+    edit = []
+    for d in docs[:n]:
+        window = d[300:300 + 120]
+        nl = tok.encode("\n\n").ids[1:]  # the tokenizer prepends <s>; only the first prompt piece keeps it
+        edit.append([d[0]] + window + nl + window[:40])
+    opn = [tok.encode(p).ids for p in OPEN_PROMPTS[:n]]
+    return {"code": code, "edit": edit, "open": opn}
+
+
+class Contender:
+    def __init__(self, name: str, run: Callable[[list[int], int], list[int]], stats: Callable[[], Any] | None = None):
+        self.name, self.run, self.stats = name, run, stats
+        self.times: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+        self.outputs: dict[str, list[list[int]]] = {}
+        self.spec_delta: dict[str, dict[str, dict[str, float]]] = {}
+
+    def pass_(self, work: dict[str, list[list[int]]], n_out: int, timed: bool) -> None:
+        for w in WORKLOADS:
+            before = self.stats() if self.stats else None
+            t0 = time.perf_counter()
+            outs = [self.run(p, n_out) for p in work[w]]
+            dt = time.perf_counter() - t0
+            if timed:
+                self.times[w].append(dt)
+                if before is not None:
+                    self.spec_delta[w] = _delta(before, self.stats())
+            self.outputs[w] = outs
+
+    def tps(self, w: str, n_tok: int) -> float:
+        return n_tok / statistics.median(self.times[w])
+
+
+def _delta(a: Any, b: Any) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, d in b.spec_drafters.items():
+        prev = a.spec_drafters.get(name, {})
+        out[name] = {k: d[k] - prev.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    return out
+
+
+def dspark_contender(llm: LLM, name: str) -> Contender:
+    def run(prompt: list[int], n: int) -> list[int]:
+        return llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+
+    return Contender(name, run, llm.stats if llm.engine.spec is not None else None)
+
+
+def hf_contenders(model: Path, draft: Path | None) -> list[Contender]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    a = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32).eval() if draft else None
+
+    def make(**kw: Any) -> Callable[[list[int], int], list[int]]:
+        def gen(prompt: list[int], n: int) -> list[int]:
+            ids = torch.tensor([prompt])
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+                                   pad_token_id=m.generation_config.pad_token_id, use_cache=True,
+                                   **{k: v for k, v in kw.items() if k != "assistant_model"})
+            extra = {"assistant_model": kw["assistant_model"]} if "assistant_model" in kw else {}
+            with torch.inference_mode():
+                out = m.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **extra)
+            return out[0, len(prompt):].tolist()
+
+        return gen
+
+    cs = [Contender("hf", make())]
+    if a is not None:
+        cs.append(Contender("hf-assist", make(assistant_model=a)))
+    cs.append(Contender("hf-lookup", make(prompt_lookup_num_tokens=10)))
+    return cs
+
+
+def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], n_out: int, best_fixed: str,
+                  rounds: int) -> None:
+    """Every workload's prompts at once (continuous batching, up to 8 in flight): speculation pays less."""
+    prompts = [p for w in WORKLOADS for p in work[w]]
+    B = min(8, len(prompts))
+    kind, k = best_fixed.split()[1], int(best_fixed.split("k=")[1])
+    llms = {"plain": LLM(model, dtype=dtype, max_batch_size=B),
+            best_fixed: LLM(model, dtype=dtype, max_batch_size=B,
+                            speculative_decoding={"strategy": "fixed", "drafters": [kind], "num_speculative_tokens": k}),
+            "deepspec": LLM(model, dtype=dtype, max_batch_size=B, speculative_decoding={"strategy": "deepspec"})}
+    p = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {n: [] for n in llms}
+    outs: dict[str, list[list[int]]] = {}
+    for llm in llms.values():
+        llm.generate(prompts, p)  # warm-up
+    for _ in range(rounds):
+        for n, llm in llms.items():
+            t0 = time.perf_counter()
+            outs[n] = [o.token_ids for o in llm.generate(prompts, p)]
+            times[n].append(time.perf_counter() - t0)
+    tok = len(prompts) * n_out
+    plain = tok / statistics.median(times["plain"])
+    print(f"\ncontinuous batching, {len(prompts)} requests (all workloads) with up to {B} in flight, median of "
+          f"{rounds} round(s): tokens/s")
+    for n in llms:
+        v = tok / statistics.median(times[n])
+        print(f"  {n:<20} {v:7.1f}  ({v / plain:.2f}x plain; identical to plain: {outs[n] == outs['plain']})")
+    s = llms["deepspec"].stats()
+    print(f"  deepspec drafted {s.spec_draft_tokens} tokens in {s.spec_drafts} drafts, accepted "
+          f"{s.spec_accepted_tokens} ({s.spec_acceptance_rate:.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=default_model_path())
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every contender (default 1)")
+    ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, k swept over 1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 3, quick 2)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    n_req, n_out = (2, 64) if quick else (4, 128)
+    rounds = args.rounds or (2 if quick else 3)
+    ks = [1, 2, 4, 8] if quick else list(range(1, 9))
+    model = args.model
+    dtype = "float32"
+    print(f"model {model}; dtype {dtype}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; mode {'quick' if quick else 'full'}")
+
+    plain = LLM(model, dtype=dtype, max_batch_size=1, max_total_tokens=2048)
+    work = make_workloads(plain, model, n_req, n_out)
+    n_tok = {w: len(work[w]) * n_out for w in WORKLOADS}
+    print("workloads: " + "; ".join(f"{w}: {len(work[w])} prompts of {min(map(len, work[w]))}-"
+                                     f"{max(map(len, work[w]))} tokens, {n_out} tokens out" for w in WORKLOADS))
+
+    def spec_llm(**spec: Any) -> LLM:
+        return LLM(model, dtype=dtype, max_batch_size=1, max_total_tokens=2048, speculative_decoding=spec)
+
+    deep = spec_llm(strategy="deepspec")
+    sd = deep.engine.spec
+    drafters = [(h.kind, h.name) for h in sd.handles]
+    print("drafters offered: " + ", ".join(f"{n} ({k}, plugin {h.plugin})" for (k, n), h in zip(drafters, sd.handles)))
+    base = dspark_contender(plain, "plain")
+    base.pass_(work, n_out, timed=False)
+    ref = base.outputs
+
+    # ---- the k sweep: one timed pass per (drafter, k), one engine per drafter, k changed between passes
+    fixed_llms = {kind: spec_llm(strategy="fixed", drafters=[kind], num_speculative_tokens=ks[0])
+                  for kind, _ in drafters}
+    sweep: dict[tuple[str, int], dict[str, float]] = {}
+    t_sweep = time.perf_counter()
+    base.pass_(work, n_out, timed=True)  # plain alongside the sweep, for its ratios
+    extra = {"ngram": [16]}  # beyond the brief's sweep of 1..8: lookup drafts are nearly free, and loops are long
+    for kind, llm in fixed_llms.items():
+        for k in ks + extra.get(kind, []):
+            llm.engine.spec.cfg = llm.engine.spec.cfg.model_copy(update={"num_speculative_tokens": k})
+            c = dspark_contender(llm, f"fixed {kind} k={k}")
+            c.pass_(work, n_out, timed=True)
+            sweep[(kind, k)] = {w: c.tps(w, n_tok[w]) for w in WORKLOADS}
+            sweep[(kind, k)]["mix"] = sum(n_tok.values()) / sum(c.times[w][0] for w in WORKLOADS)
+            bad = [w for w in WORKLOADS if c.outputs[w] != ref[w]]
+            if bad:
+                print(f"  WARNING fixed {kind} k={k}: outputs differ from plain on {bad}")
+    plain_mix = sum(n_tok.values()) / sum(base.times[w][0] for w in WORKLOADS)
+    print(f"\nk sweep (one pass each, {time.perf_counter() - t_sweep:.0f} s): tokens/s; plain mix {plain_mix:.1f}")
+    print(f"{'drafter':<8} {'k':>2} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")))
+    best_k: dict[str, int] = {}
+    for kind, _ in drafters:
+        for k in ks + extra.get(kind, []):
+            r = sweep[(kind, k)]
+            print(f"{kind:<8} {k:>2} " + " ".join(f"{r[w]:7.1f}" for w in (*WORKLOADS, "mix"))
+                  + ("   (outside the 1..8 sweep)" if k not in ks else ""))
+        best_k[kind] = max(ks, key=lambda k: sweep[(kind, k)]["mix"])
+        print(f"  best k for {kind} on the mix: {best_k[kind]}; per workload: "
+              + ", ".join(f"{w} {max(ks, key=lambda k: sweep[(kind, k)][w])}" for w in WORKLOADS))
+    for kind, llm in fixed_llms.items():
+        llm.engine.spec.cfg = llm.engine.spec.cfg.model_copy(update={"num_speculative_tokens": best_k[kind]})
+
+    # ---- the timed comparison
+    base = dspark_contender(plain, "plain")
+    contenders = [base] + [dspark_contender(fixed_llms[kind], f"fixed {kind} k={best_k[kind]}")
+                           for kind, _ in drafters] + [dspark_contender(deep, "deepspec")]
+    long_lookup = None
+    if "ngram" in fixed_llms:  # the same lookup drafter with k=16, outside the brief's sweep, for reference
+        long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["ngram"], num_speculative_tokens=16),
+                                       "(fixed ngram k=16)")
+        contenders.append(long_lookup)
+    draft_path = next((Path(n.split(":", 1)[1]) for _, n in drafters if n.startswith("draft-model:")), None)
+    if draft_path is not None:
+        draft_path = model.parent / draft_path
+    hf: list[Contender] = [] if args.no_hf else hf_contenders(model, draft_path)
+    contenders += hf
+    for c in contenders:
+        c.pass_(work, n_out, timed=False)  # warm-up (and DeepSpec keeps learning)
+    for rnd in range(rounds):
+        for c in contenders:
+            c.pass_(work, n_out, timed=True)
+        print(f"  round {rnd + 1}/{rounds} done", flush=True)
+
+    def mix(c: Contender) -> float:
+        return sum(n_tok.values()) / sum(statistics.median(c.times[w]) for w in WORKLOADS)
+
+    print(f"\ntokens/s, batch 1, greedy, median of {rounds} interleaved rounds (load average now "
+          f"{os.getloadavg()[0]:.1f})")
+    print(f"{'contender':<20} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain")
+    for c in contenders:
+        same = all(c.outputs[w] == ref[w] for w in WORKLOADS)
+        print(f"{c.name:<20} " + " ".join(f"{c.tps(w, n_tok[w]):7.1f}" for w in WORKLOADS)
+              + f" {mix(c):7.1f}   {same}")
+    fixed_cs = [c for c in contenders if c.name.startswith("fixed")]  # the brief's sweep, k in 1..8
+    best_fixed = max(fixed_cs, key=mix)
+    d = next(c for c in contenders if c.name == "deepspec")
+
+    print("\nratios")
+    print(f"{'what':<52} {'value':>7} {'target':>8}")
+    for w in WORKLOADS:
+        tgt = ">= 2" if w == "code" else ">= 0.97"
+        print(f"{f'deepspec / plain, {w}':<52} {d.tps(w, n_tok[w]) / base.tps(w, n_tok[w]):7.2f} {tgt:>8}")
+    print(f"{'deepspec / plain, mix':<52} {mix(d) / mix(base):7.2f} {'':>8}")
+    print(f"{f'deepspec / best fixed ({best_fixed.name}), mix':<52} {mix(d) / mix(best_fixed):7.2f} {'>= 1.2':>8}")
+    for w in WORKLOADS:
+        bw = max(fixed_cs, key=lambda c: c.tps(w, n_tok[w]))
+        print(f"{f'deepspec / best fixed on {w} ({bw.name})':<52} {d.tps(w, n_tok[w]) / bw.tps(w, n_tok[w]):7.2f}")
+    if long_lookup is not None:
+        print(f"{'deepspec / (fixed ngram k=16), mix  [outside the sweep]':<52} {mix(d) / mix(long_lookup):7.2f}")
+    for c in hf:
+        if c.name != "hf":
+            print(f"{f'deepspec / {c.name}, mix':<52} {mix(d) / mix(c):7.2f} {'> 1':>8}")
+    if hf:
+        print(f"{'plain dspark / hf plain, mix':<52} {mix(base) / mix(hf[0]):7.2f}")
+
+    batch_section(model, dtype, work, n_out, best_fixed.name, 1 if quick else 2)
+
+    print("\nacceptance in the timed rounds (accepted / drafted tokens; accepted per draft)")
+    for c in [*fixed_cs, d]:
+        for w in WORKLOADS:
+            for name, v in c.spec_delta.get(w, {}).items():
+                if v["drafts"]:
+                    print(f"  {c.name:<20} {w:<5} {name:<32} drafts {v['drafts']:5.0f}  acceptance "
+                          f"{v['accepted_tokens'] / max(v['draft_tokens'], 1):5.2f}  mean accepted length "
+                          f"{v['accepted_tokens'] / v['drafts']:5.2f}")
+    st = deep.stats()
+    print(f"\ndeepspec over the whole run: drafts {st.spec_drafts}, drafted {st.spec_draft_tokens}, accepted "
+          f"{st.spec_accepted_tokens} ({st.spec_acceptance_rate:.2f}); plain steps {sd.steps - sd.spec_steps} of "
+          f"{sd.steps}")
+    print("predictor calibration (per drafted token: predicted vs observed acceptance), expected calibration "
+          f"error {st.spec_calibration_error:.3f}")
+    print(f"  {'bucket':>8} {'n':>6} {'predicted':>9} {'observed':>9}")
+    for row in sd.calibration_table():
+        print(f"  {row['bucket']:8.1f} {row['n']:6d} {row['predicted']:9.3f} {row['observed']:9.3f}")
+    for name, v in st.spec_drafters.items():
+        ce = v["calibration_error"]
+        print(f"  {name:<32} acceptance {v['acceptance_rate']:.2f}, calibration error "
+              f"{'n/a' if ce is None else f'{ce:.3f}'}")
+    cal = sd.calibration
+    vm = cal.get("verify_ms", {})
+    one = vm.get("B1+0")
+    print("\nmeasured costs (startup calibration, ms, lower quartile of interleaved rounds):")
+    if one:
+        print("  target verify, batch 1: " + ", ".join(f"k={key.split('+')[1]}: {v:.2f} ({v / one:.2f}x)"
+                                                        for key, v in vm.items() if key.startswith("B1+")))
+        for name in (n for _, n in drafters):
+            if name in cal:
+                print(f"  {name}: k=1 {cal[name]['ms_k1']:.2f} ms ({cal[name]['ms_k1'] / one:.2f}x a target step)"
+                      + (f", k=4 {cal[name]['ms_k4']:.2f} ms" if cal[name].get("ms_k4") else ""))
+    if "self_exit_layer" in cal:
+        print(f"  self-draft exit layer (measured on the first real context): {cal['self_exit_layer']}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

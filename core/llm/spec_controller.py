@@ -1,0 +1,210 @@
+"""DeepSpec's controller: which drafter and how many tokens, per sequence and step.
+
+For every decode sequence of a step the controller knows, per drafter, the
+predicted acceptance of each next drafted token (the predictor), and it
+knows what the step will cost (measured, never assumed):
+
+- verify: the target's forward time as a linear function of
+  ``[1, decode rows B, drafted tokens K, verify chunks M, prefill tokens]``,
+  fitted by recursive least squares on every step (prior from a startup
+  calibration of the real model on this machine);
+- draft: each drafter's call time as a function of
+  ``[1, positions P, P x sequences S, S]`` (a batched draft model pays per
+  position, a lookup per sequence), fitted the same way.
+
+It then maximises the step's expected throughput, tokens / time, with
+E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_l per sequence (which is
+(1 - a^(k+1)) / (1 - a) for a constant a): a fractional program, solved by
+Dinkelbach's iteration: with the current rate R, each sequence takes the
+(drafter, k) maximising E_i(k) - R x (its marginal time), k = 0 included; R
+becomes the resulting plan's predicted rate; repeat until it stops rising.
+The plan is only taken when its predicted rate beats plain decoding's, so
+when drafting cannot pay (low acceptance, costly drafter, big batch whose
+verify tokens cost nearly full price) every k is 0 and the step is a plain
+decode step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class RLS:
+    """Recursive least squares with forgetting and a bounded covariance (no wind-up).
+
+    Plain Python on purpose: with 4-5 parameters, numpy's per-call overhead
+    would cost more than the arithmetic, and this runs on every engine step.
+    """
+
+    def __init__(self, theta: list[float], var: list[float], lam: float = 0.99) -> None:
+        n = len(theta)
+        self.theta = [float(t) for t in theta]
+        self.P = [[float(var[i]) if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.trace0 = float(sum(var))
+        self.lam = lam
+        self.n = 0
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def update(self, x: list[float], y: float) -> None:
+        th, P, lam = self.theta, self.P, self.lam
+        pred = sum(t * v for t, v in zip(th, x))
+        if pred > 0 and y > 3.0 * pred + 1.0:  # a scheduling hiccup of the OS, not the model's cost
+            y = 3.0 * pred + 1.0
+        Px = [sum(pij * xj for pij, xj in zip(row, x)) for row in P]
+        denom = lam + sum(xi * pxi for xi, pxi in zip(x, Px))
+        g = [v / denom for v in Px]
+        err = y - pred
+        self.theta = [max(0.0, t + gi * err) for t, gi in zip(th, g)]  # costs are never negative
+        n = len(th)
+        for i in range(n):
+            row, gi = P[i], g[i]
+            for j in range(n):
+                row[j] = (row[j] - gi * Px[j]) / lam
+        tr = sum(P[i][i] for i in range(n))
+        if tr > self.trace0:
+            f = self.trace0 / tr
+            for row in P:
+                for j in range(n):
+                    row[j] *= f
+        self.n += 1
+
+
+def fit(xs: list[list[float]], ys: list[float], prior: list[float], ridge: float = 1e-3) -> list[float]:
+    """Least squares pulled towards ``prior`` where the data say nothing; non-negative."""
+    X, y, p = np.asarray(xs, float), np.asarray(ys, float), np.asarray(prior, float)
+    scale = max(float(np.mean(y)), 1e-6)
+    A = X.T @ X + ridge * scale * np.eye(len(p))
+    b = X.T @ y + ridge * scale * p
+    return [max(0.0, float(v)) for v in np.linalg.solve(A, b)]
+
+
+def verify_x(rows: int, drafted: int, chunks: int, prefill: int) -> list[float]:
+    return [1.0, float(rows), float(drafted), float(chunks), float(prefill)]
+
+
+def draft_x(positions: int, seqs: int) -> list[float]:
+    return [1.0, float(positions), float(positions * seqs), float(seqs)]
+
+
+@dataclass
+class Option:
+    """One drafter for one sequence: predicted acceptance of each next drafted token, for up to n tokens.
+
+    Either ``a`` lists them, or the logit of token j (0-based) is ``z0 + dz * j``
+    for j < n (the predictor's form), evaluated only as far as the choice looks.
+    """
+
+    drafter: int
+    a: list[float] | None
+    sunk: bool = False  # already drafted (a cheap lookup ran for everyone): no drafting time left to pay
+    z0: float = 0.0
+    dz: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.a is not None:
+            self.n = len(self.a)
+
+    def acc(self, j: int) -> float:
+        if self.a is not None:
+            return self.a[j]
+        z = self.z0 + self.dz * j
+        return 1.0 / (1.0 + math.exp(-z)) if z > -30.0 else 0.0
+
+
+@dataclass
+class SeqChoice:
+    drafter: int | None = None
+    k: int = 0
+    gain: float = 0.0  # expected extra tokens over plain decoding
+
+
+@dataclass
+class Plan:
+    choices: list[SeqChoice]
+    rate: float  # predicted tokens per ms of the chosen plan
+    plain_rate: float
+    marginal: dict[int, float] = field(default_factory=dict)  # drafter -> time of one more drafted token
+    # The best single draft's predicted net gain over plain decoding, in tokens (negative: a loss).
+    best_margin: float = float("-inf")
+
+
+class Controller:
+    def __init__(self, verify: RLS, draft: list[RLS]) -> None:
+        self.verify = verify
+        self.draft = draft
+
+    def draft_time(self, d: int, positions: int, seqs: int) -> float:
+        if positions <= 0 or seqs <= 0:
+            return 0.0
+        return self.draft[d].predict(draft_x(positions, seqs))
+
+    def choose(self, options: list[list[Option]], prefill_tokens: int = 0, sunk_ms: float = 0.0,
+               iterations: int = 4) -> Plan:
+        """``options[i]``: the drafters open to decode sequence i. Returns one choice per sequence."""
+        B = len(options)
+        th = self.verify.theta
+        c_tok, c_chunk = float(th[2]), float(th[3])
+        base = self.verify.predict(verify_x(B, 0, 0, prefill_tokens)) + sunk_ms
+        plain_rate = B / max(base, 1e-9)
+        best = Plan([SeqChoice() for _ in range(B)], plain_rate, plain_rate)
+        R = plain_rate
+        # drafter -> sequences sharing its per-position cost; first guess: all that may use it
+        users: dict[int, int] = {}
+        for opts in options:
+            for o in opts:
+                users[o.drafter] = users.get(o.drafter, 0) + 1
+        margin = float("-inf")
+        for it in range(iterations):
+            marginal: dict[int, float] = {}
+            fixed: dict[int, float] = {}
+            for d, rls in enumerate(self.draft):
+                s = max(users.get(d, 1), 1)
+                t1, tP, tPS, tS = (float(v) for v in rls.theta)
+                marginal[d] = c_tok + tP / s + tPS
+                fixed[d] = c_chunk + (t1 + tS) / s
+            choices = []
+            for opts in options:
+                pick, best_v = SeqChoice(), 0.0
+                for o in opts:
+                    per_tok = c_tok if o.sunk else marginal[o.drafter]
+                    start = c_chunk if o.sunk else fixed[o.drafter]
+                    thresh = R * per_tok
+                    cum, P = 0.0, 1.0
+                    for k in range(1, o.n + 1):
+                        P *= o.acc(k - 1)
+                        if P < thresh and k > 1:  # E's increments only shrink and the cost's do not
+                            break
+                        cum += P
+                        v = cum - R * (k * per_tok + start)
+                        if it == 0 and v > margin:
+                            margin = v
+                        if v > best_v:
+                            pick, best_v = SeqChoice(o.drafter, k, cum), v
+                choices.append(pick)
+            # The plan's real predicted time: shared drafting cost by positions and users, not shares.
+            per_d: dict[int, list[int]] = {}
+            K = M = 0
+            for c, opts in zip(choices, options):
+                if c.drafter is None or c.k == 0:
+                    continue
+                K += c.k
+                M += 1
+                if not next(o for o in opts if o.drafter == c.drafter).sunk:
+                    per_d.setdefault(c.drafter, []).append(c.k)
+            t = self.verify.predict(verify_x(B, K, M, prefill_tokens)) + sunk_ms
+            t += sum(self.draft_time(d, max(ks), len(ks)) for d, ks in per_d.items())
+            rate = (B + sum(c.gain for c in choices)) / max(t, 1e-9)
+            users = {d: len(ks) for d, ks in per_d.items()}
+            if rate <= best.rate * (1 + 1e-6):
+                break
+            best = Plan(choices, rate, plain_rate, marginal)
+            R = rate
+        best.best_margin = margin
+        return best
+

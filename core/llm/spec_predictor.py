@@ -1,0 +1,118 @@
+"""The acceptance predictor of DeepSpec: online logistic regression, one per drafter.
+
+It predicts the probability that the next drafted token is accepted given
+that the ones before it were (the per-token acceptance ``a`` of the
+geometric model), from:
+
+- the drafter's confidence in the token (its probability for model drafters,
+  the matched n-gram length for lookup), or the request's running mean
+  confidence for this drafter before anything is drafted;
+- the request's recent acceptance history with this drafter (an EMA);
+- the position in the draft;
+- the prompt kind: how repetitive the prompt is (share of its 2-grams seen
+  before in it; code and edits are high, open prose is low);
+- the context length.
+
+It learns from every verified token (those after the first rejection are
+never seen, so they teach nothing) and keeps prequential calibration: each
+prediction is bucketed *before* its outcome is learned, so the calibration
+error reported is the error of the decisions actually taken.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+NUM_FEATURES = 7
+NUM_BUCKETS = 10
+
+
+def features(conf: float, hist: float, pos: int, rep: float, ctx_len: int) -> list[float]:
+    """conf, hist, rep in [0, 1]; pos >= 1 is the token's place in the draft."""
+    return [1.0, conf, conf * conf, hist, min(pos, 16) / 8.0, rep, min(1.0, math.log2(max(ctx_len, 1)) / 10.0)]
+
+
+def _sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
+
+
+class OnlineLogistic:
+    """Logistic regression trained by AdaGrad, one sample at a time."""
+
+    def __init__(self, prior: float = 0.5, lr: float = 0.3, l2: float = 1e-4) -> None:
+        self.w = [0.0] * NUM_FEATURES
+        # Prior: ``prior`` at confidence 0.5, and a drafter's confidence means something
+        # (a = sigmoid(logit(prior) + 2 (conf - 0.5))); the data take over from there.
+        self.w[1] = 2.0
+        self.w[0] = math.log(prior / (1.0 - prior)) - 1.0
+        self.g2 = [1e-2] * NUM_FEATURES
+        self.lr, self.l2 = lr, l2
+        self.n = 0
+
+    def predict(self, x: list[float]) -> float:
+        return _sigmoid(sum(w * v for w, v in zip(self.w, x)))
+
+    def update(self, x: list[float], y: float) -> None:
+        err = self.predict(x) - y
+        w, g2, lr, l2 = self.w, self.g2, self.lr, self.l2
+        for i, v in enumerate(x):
+            g = err * v + l2 * w[i]
+            g2[i] += g * g
+            w[i] -= lr * g / math.sqrt(g2[i])
+        self.n += 1
+
+
+@dataclass
+class Calibration:
+    """Predicted vs observed acceptance in ten buckets of predicted probability."""
+
+    count: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
+    pred: list[float] = field(default_factory=lambda: [0.0] * NUM_BUCKETS)
+    obs: list[float] = field(default_factory=lambda: [0.0] * NUM_BUCKETS)
+
+    def add(self, p: float, y: float) -> None:
+        b = min(NUM_BUCKETS - 1, int(p * NUM_BUCKETS))
+        self.count[b] += 1
+        self.pred[b] += p
+        self.obs[b] += y
+
+    @property
+    def n(self) -> int:
+        return sum(self.count)
+
+    def error(self) -> float | None:
+        """Expected calibration error: sum over buckets of share x |mean predicted - mean observed|."""
+        n = self.n
+        if not n:
+            return None
+        return sum(abs(p - o) for p, o in zip(self.pred, self.obs)) / n
+
+    def table(self) -> list[dict[str, float]]:
+        return [{"bucket": b / NUM_BUCKETS, "n": c, "predicted": p / c, "observed": o / c}
+                for b, (c, p, o) in enumerate(zip(self.count, self.pred, self.obs)) if c]
+
+
+class AcceptancePredictor:
+    """One online model per drafter, and calibration per drafter and overall."""
+
+    def __init__(self, num_drafters: int, priors: list[float] | None = None) -> None:
+        priors = priors or [0.5] * num_drafters
+        self.models = [OnlineLogistic(prior=p) for p in priors]
+        self.calib = [Calibration() for _ in range(num_drafters)]
+        self.total = Calibration()
+        # Mean acceptance per drafter over everything seen: where a new request's history starts.
+        self.mean = list(priors)
+
+    def predict(self, d: int, x: list[float]) -> float:
+        return self.models[d].predict(x)
+
+    def observe(self, d: int, x: list[float], predicted: float, accepted: bool) -> None:
+        y = 1.0 if accepted else 0.0
+        self.calib[d].add(predicted, y)
+        self.total.add(predicted, y)
+        self.models[d].update(x, y)
+        self.mean[d] += 0.01 * (y - self.mean[d])

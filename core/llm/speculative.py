@@ -1,0 +1,712 @@
+"""Speculative decoding inside the engine's continuous batching (DeepSpec).
+
+One engine step with speculation:
+
+1. the scheduler plans the step as usual (decode tokens first, then prefill chunks);
+2. for each decode sequence the controller (``strategy: deepspec``) picks a
+   drafter and a length k from predicted acceptance and measured costs, or
+   the fixed drafter and k (``strategy: fixed``); cheap lookup drafters run
+   for everyone first so their real drafts inform the choice; KV room for
+   the 1 + k tokens is taken from free pages only (k shrinks, nothing is
+   preempted for a draft);
+3. drafters run batched (one draft-model forward per draft position for all
+   its sequences; the self-drafter's forwards stop at its exit layer);
+4. ONE target forward verifies every sequence's [last token + draft] and runs
+   the step's prefill chunks;
+5. per sequence the verifier keeps what plain decoding would have produced
+   (greedy: matching prefix + the target's token; sampling: the rejection
+   rule), token by token through the same stop checks (eos, stop strings,
+   max_tokens); rejected positions are rolled back in the target's KV cache
+   (``truncate``) and the drafter's (``commit``);
+6. every verified token trains the acceptance predictor, every timed call the cost model.
+
+Drafters come from the plugin hook ``dspark_drafters``; they run in the
+engine's thread. A drafter that raises or returns a malformed draft is logged
+(``spec.drafter_failed``), counted, and disabled for the rest of the engine's
+life; the step goes on without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dspark.llm.config import SpeculativeConfig
+from dspark.llm.model import SeqChunk
+from dspark.llm.sampling import distribution, sample
+from dspark.llm.scheduler import ScheduledChunk, Sequence, Status
+from dspark.llm.spec_controller import RLS, Controller, Option, Plan, draft_x, fit, verify_x
+from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tokenizer_fingerprint
+from dspark.llm.spec_predictor import AcceptancePredictor, features
+from dspark.llm.spec_verify import accept_greedy, accept_sampling
+from dspark.log import get_logger
+from dspark.types import Draft, DraftRequest, TargetModel
+
+if TYPE_CHECKING:
+    from dspark.llm.engine import LLMEngine, RequestOutput
+    from dspark.plugin_manager import PluginHost
+
+log = get_logger("dspark.llm.spec")
+
+_KIND_ORDER = {"model": 0, "self": 1, "ngram": 2, "other": 3}
+_CONSERVATIVE_K = 2  # cap of conservative mode for long open-ended text
+_LONG_OUTPUT = 64  # output tokens after which open-ended text counts as long
+_OPEN_ENDED = 0.35  # prompt repetitiveness below which text is open-ended
+# Quiet steps (drafts on offer, none taken; a step counts 1/4 unless the best draft was near break-even)
+# before one exploratory draft; the wait doubles after each, up to the maximum.
+_EXPLORE_FIRST, _EXPLORE_MAX = 8, 512
+
+_default_host: PluginHost | None = None
+
+
+def default_host() -> PluginHost:
+    """The process's plugin host for drafters, loaded once (built-ins and entry points)."""
+    global _default_host
+    if _default_host is None:
+        from dspark.plugin_manager import PluginHost
+
+        _default_host = PluginHost().load()
+    return _default_host
+
+
+@dataclass
+class DrafterStats:
+    drafts: int = 0  # (sequence, step) pairs with at least one drafted token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0  # steps in which the drafter drafted for anyone
+    draft_ms: float = 0.0
+    failures: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_accepted_length": self.accepted_tokens / self.drafts if self.drafts else 0.0,
+            "steps": self.steps, "draft_ms": round(self.draft_ms, 3), "failures": self.failures,
+        }
+
+
+@dataclass
+class Handle:
+    """One drafter offered for this engine's target."""
+
+    idx: int
+    name: str
+    kind: str
+    plugin: str
+    obj: Any
+    cost: RLS | None = None
+    probe: bool = False  # cheap enough to run for every sequence before choosing
+    disabled: str | None = None
+    stats: DrafterStats = field(default_factory=DrafterStats)
+    calls: int = 0
+
+    def call_batch(self, reqs: list[DraftRequest]) -> list[Draft]:
+        fn = getattr(self.obj, "propose_batch", None)
+        if fn is not None:
+            return list(fn(reqs))
+        return [self.obj.propose(list(r.tokens), r.k) for r in reqs]
+
+
+@dataclass
+class _Req:
+    """What the controller knows about one request."""
+
+    rep: float  # prompt repetitiveness: share of its 2-grams seen earlier in it
+    hist: list[float]  # per drafter, EMA of per-token acceptance
+    conf: list[float]  # per drafter, EMA of draft confidence
+    open_ended: bool = False
+
+
+@dataclass
+class _Pending:
+    """A sequence's draft for this step, waiting for verification."""
+
+    handle: Handle
+    tokens: list[int]
+    q: torch.Tensor | None
+    xs: list[list[float]]  # features per drafted token
+    preds: list[float]  # predicted acceptance per drafted token, before the outcome
+
+
+def repetitiveness(ids: list[int]) -> float:
+    """Share of positions whose 2-gram occurred earlier: ~0.6+ for code and edits, low for open prose."""
+    if len(ids) < 3:
+        return 0.0
+    seen: set[tuple[int, int]] = set()
+    hits = 0
+    for g in zip(ids, ids[1:]):
+        if g in seen:
+            hits += 1
+        else:
+            seen.add(g)
+    return hits / (len(ids) - 1)
+
+
+class SpecDecoder:
+    def __init__(self, engine: LLMEngine, cfg: SpeculativeConfig, host: PluginHost | None = None) -> None:
+        self.eng = engine
+        self.cfg = cfg
+        self.strategy = cfg.strategy
+        runner = engine.runner
+        mcfg = runner.cfg
+        self.vocab = mcfg.vocab_size
+        root = engine.model_path
+        raw = read_raw_config(root)
+        if cfg.draft_model not in ("auto", "none"):
+            problem = compatibility_problem(root, cfg.draft_model) if (Path(cfg.draft_model) / "config.json").exists() \
+                else f"{cfg.draft_model} is not a checkpoint directory (no config.json)"
+            if problem:
+                raise ValueError(f"speculative_decoding.draft_model: cannot draft for {root.name}: {problem}")
+        if isinstance(cfg.exit_layer, int) and cfg.exit_layer >= mcfg.num_hidden_layers:
+            raise ValueError(f"speculative_decoding.exit_layer: {cfg.exit_layer} is not below the target's "
+                             f"{mcfg.num_hidden_layers} layers")
+        target = TargetModel(
+            name=root.name, path=str(root), architecture=mcfg.model_type, vocab_size=mcfg.vocab_size,
+            num_layers=mcfg.num_hidden_layers, hidden_size=mcfg.hidden_size,
+            tokenizer_fingerprint=tokenizer_fingerprint(root),
+            properties={"early_exit_layers": list(raw.get("dspark_early_exit_layers", []) or []),
+                        "draft_model": cfg.draft_model, "exit_layer": cfg.exit_layer,
+                        "dtype": str(runner.dtype).removeprefix("torch."),
+                        "max_total_tokens": engine.cache.allocator.num_pages * engine.cache.page_size
+                        + engine.config.max_batch_size * (cfg.max_k + 1),
+                        "page_size": engine.cache.page_size},
+            runtime=engine)
+        from dspark.drafting import collect_drafters
+
+        self.host = host if host is not None else default_host()
+        offers = collect_drafters(self.host, target)
+        if cfg.drafters is not None:
+            want = cfg.drafters
+            offers = [o for o in offers if o.name in want or o.kind in want or o.name.split(":")[0] in want]
+            offers.sort(key=lambda o: min((want.index(w) for w in (o.name, o.kind, o.name.split(":")[0])
+                                           if w in want), default=len(want)))
+        self.handles: list[Handle] = []
+        self.failures = 0
+        for o in offers:
+            try:
+                obj = o.create()
+                if not callable(getattr(obj, "propose", None)) and not callable(getattr(obj, "propose_batch", None)):
+                    raise TypeError(f"create() returned {type(obj).__name__}, which has no propose()")
+            except Exception as exc:  # the plugin's fault: report it, go on without this drafter
+                self.failures += 1
+                log.warning("spec.drafter_failed", drafter=o.name, plugin=o.plugin, stage="create",
+                            error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.handles.append(Handle(len(self.handles), o.name, o.kind, o.plugin, obj,
+                                       probe=o.kind == "ngram"))
+        self.predictor = AcceptancePredictor(len(self.handles))
+        self.reqs: dict[str, _Req] = {}
+        self.exit_chosen = False
+        self.fixed: Handle | None = None
+        if self.strategy == "fixed" and self.handles:
+            self.fixed = self.handles[0] if cfg.drafters else min(self.handles, key=lambda h: _KIND_ORDER[h.kind])
+        self.steps = 0
+        self.spec_steps = 0
+        self.explore_steps = 0
+        self._quiet = 0.0
+        self._explore_gap = _EXPLORE_FIRST
+        self.controller: Controller | None = None
+        self.calibration: dict[str, Any] = {}
+        if self.strategy == "deepspec" and self.handles:
+            self._calibrate()
+            if self.controller is None:
+                self._prior_costs(None)
+                self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+        log.info("spec.ready", strategy=self.strategy, drafters=[h.name for h in self.handles],
+                 fixed=self.fixed.name if self.fixed else None)
+
+    # -- failures -----------------------------------------------------------
+    def _disable(self, h: Handle, reason: str) -> None:
+        if h.disabled is None:
+            h.disabled = reason
+            h.stats.failures += 1
+            self.failures += 1
+            log.warning("spec.drafter_failed", drafter=h.name, plugin=h.plugin, error=reason,
+                        note="disabled for the rest of this engine's run; decoding goes on without it")
+
+    def _run(self, h: Handle, reqs: list[DraftRequest]) -> list[Draft] | None:
+        """Call a drafter, check what it returns; None (and the drafter disabled) on any fault."""
+        t0 = time.perf_counter()
+        try:
+            drafts = h.call_batch(reqs)
+        except Exception as exc:
+            self._disable(h, f"propose raised {type(exc).__name__}: {exc}")
+            return None
+        ms = (time.perf_counter() - t0) * 1e3
+        if len(drafts) != len(reqs):
+            self._disable(h, f"returned {len(drafts)} drafts for {len(reqs)} requests")
+            return None
+        for r, d in zip(reqs, drafts):
+            if not isinstance(d, Draft):
+                self._disable(h, f"returned {type(d).__name__}, not dspark.Draft")
+                return None
+            n = len(d.tokens)
+            if n > r.k or any(not (isinstance(t, int) and 0 <= t < self.vocab) for t in d.tokens):
+                self._disable(h, f"returned draft {d.tokens[:8]} for k={r.k} (too long or outside the vocabulary)")
+                return None
+            if d.probs is not None and tuple(np.shape(d.probs)) != (n, self.vocab):
+                self._disable(h, f"returned probs of shape {np.shape(d.probs)} for {n} tokens")
+                return None
+            if d.confidence is not None and len(d.confidence) != n:
+                self._disable(h, f"returned {len(d.confidence)} confidences for {n} tokens")
+                return None
+        if reqs:
+            h.stats.draft_ms += ms
+            h.calls += 1
+            # A lookup's cost barely moves and it is called every step: refresh its model now and then.
+            if h.cost is not None and (not h.probe or h.calls % 8 == 0):
+                h.cost.update(draft_x(max(r.k for r in reqs), len(reqs)), ms)
+        return drafts
+
+    def _tell(self, h: Handle, method: str, *args: Any) -> None:
+        fn = getattr(h.obj, method, None)
+        if fn is None or h.disabled:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._disable(h, f"{method} raised {type(exc).__name__}: {exc}")
+
+    def release(self, rid: str) -> None:
+        self.reqs.pop(rid, None)
+        for h in self.handles:
+            self._tell(h, "release", rid)
+
+    # -- calibration --------------------------------------------------------
+    def _calibrate(self) -> None:
+        """Time the target's verify forwards and every drafter on this machine, before serving."""
+        eng = self.eng
+        cache, runner = eng.cache, eng.runner
+        ctx_len, kmax = 48, min(self.cfg.max_k, 16)
+        V = self.vocab
+        pattern = [3 + (i * 7919) % max(V - 3, 1) for i in range(12)]
+        per = cache.pages_for(ctx_len + kmax + 2)
+        nseq = max(0, min(4, cache.allocator.num_free // per))
+        if nseq == 0:
+            self._prior_costs(None)
+            self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+            return
+        ids = [f"__spec_cal_{i}" for i in range(nseq)]
+        ctx = {s: (pattern[i:] + pattern[:i]) * (ctx_len // len(pattern)) for i, s in enumerate(ids)}
+        xs: list[list[float]] = []
+        ys: list[float] = []
+
+        def timed(fn: Any, reps: int = 5) -> float:
+            fn()  # warm
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return _low(ts)
+
+        try:
+            prefill_ms = []
+            for s in ids:
+                t0 = time.perf_counter()
+                runner.step(cache, [SeqChunk(s, ctx[s][:-1])])
+                prefill_ms.append((time.perf_counter() - t0) * 1e3)
+            configs = [(1, 0), (1, 1), (1, 2), (1, 4), (1, kmax), (nseq, 0), (nseq, 2), (nseq, 4)]
+
+            def fwd(B: int, k: int) -> None:
+                sel = ids[:B]
+                runner.step(cache, [SeqChunk(s, [ctx[s][-1]] * (1 + k), all_logits=k > 0) for s in sel])
+                for s in sel:
+                    cache.truncate(s, 1 + k)
+
+            for c in configs:
+                fwd(*c)  # warm
+            times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+            for _ in range(7):  # interleaved rounds: a busy spell of the machine hits every config alike
+                for c in configs:
+                    t0 = time.perf_counter()
+                    fwd(*c)
+                    times[c].append((time.perf_counter() - t0) * 1e3)
+            for (B, k), ts in times.items():
+                xs.append(verify_x(B, B * k, B if k else 0, 0))
+                ys.append(_low(ts))
+            t1 = ys[0]
+            prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0]
+            theta = fit(xs, ys, prior)
+            # Prefill tokens: what a prefill step costs beyond an empty step, per token.
+            theta[4] = max(0.0, (statistics.median(prefill_ms) - theta[0]) / (ctx_len - 1))
+            self.calibration["verify_ms"] = {f"B{x[1]:.0f}+{x[2]:.0f}": round(y, 3) for x, y in zip(xs, ys)}
+            self._prior_costs(theta)
+            for h in self.handles:
+                dx, dy = [], []
+                for S, k in [(1, 1), (1, 4), (nseq, 1), (nseq, 4)]:
+                    for s in ids[:S]:
+                        cache.reserve(s, len(ctx[s]) + k + 1)
+
+                    def draft(S: int = S, k: int = k) -> None:
+                        if self._run(h, [DraftRequest(s, ctx[s], k) for s in ids[:S]]) is None:
+                            raise RuntimeError(h.disabled)
+
+                    try:
+                        dy.append(timed(draft))
+                    except RuntimeError:
+                        break
+                    dx.append(draft_x(k, S))
+                if h.disabled:
+                    continue
+                for s in ids:
+                    self._tell(h, "release", s)
+                    cache.truncate(s, 0)
+                dtheta = fit(dx, dy, [0.0, dy[0], 0.0, 0.0])
+                h.cost = RLS(dtheta, [max(v, 0.05 * dy[0]) ** 2 for v in dtheta])
+                h.stats = DrafterStats(failures=h.stats.failures)  # calibration calls are not drafts
+                h.probe = h.probe or h.cost.predict(draft_x(kmax, 1)) < 0.02 * t1
+                self.calibration[h.name] = {"ms_k1": round(dy[0], 3), "ms_k4": round(dy[1], 3) if len(dy) > 1 else None}
+        finally:
+            for s in ids:
+                cache.free(s)
+                for h in self.handles:
+                    self._tell(h, "release", s)
+            if self.controller is None and hasattr(self, "verify_cost"):
+                self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+
+    def _prior_costs(self, theta: list[float] | None) -> None:
+        if theta is None:  # no room to measure: a neutral prior, corrected online
+            theta = [10.0, 0.5, 0.5, 0.5, 0.1]
+        self.verify_cost = RLS(theta, [(0.5 * max(v, 0.02 * theta[0])) ** 2 for v in theta])
+        for h in self.handles:
+            if h.cost is None:
+                h.cost = RLS([0.1, 0.1 * theta[0], 0.0, 0.0], [(0.1 * theta[0]) ** 2] * 4)
+
+    # -- one step -----------------------------------------------------------
+    def _req(self, seq: Sequence) -> _Req:
+        st = self.reqs.get(seq.request_id)
+        if st is None:
+            rep = repetitiveness(seq.prompt_ids[-512:])
+            n = len(self.handles)
+            st = _Req(rep, list(self.predictor.mean), [0.5] * n, open_ended=rep < _OPEN_ENDED)
+            self.reqs[seq.request_id] = st
+        return st
+
+    def _cap(self, seq: Sequence) -> int:
+        """Most tokens worth drafting: room left by max_tokens and max_model_len, the conservative cap."""
+        p = seq.params
+        n_all = len(seq.prompt_ids) + len(seq.output_ids)
+        k = self.cfg.num_speculative_tokens if self.strategy == "fixed" else self.cfg.max_k
+        k = min(k, p.max_tokens - len(seq.output_ids) - 1, self.eng.max_model_len - n_all - 1)
+        if self.cfg.conservative and self.strategy == "deepspec":
+            st = self.reqs.get(seq.request_id)
+            if (st is not None and st.open_ended and len(seq.output_ids) >= _LONG_OUTPUT) \
+                    or n_all >= 0.75 * self.eng.max_model_len:
+                k = min(k, _CONSERVATIVE_K)
+        return max(k, 0)
+
+    def step(self, planned: list[ScheduledChunk], t_start: float) -> list[RequestOutput]:
+        eng = self.eng
+        self.steps += 1
+        dec = [p for p in planned if p.num_tokens == 1 and p.completes]
+        prefill_tokens = sum(p.num_tokens for p in planned) - len(dec)
+        pend: dict[str, _Pending] = {}
+        if dec and any(h.disabled is None for h in self.handles):
+            pend = self._draft(dec, prefill_tokens)
+        chunks = []
+        n_drafted = 0
+        for p in planned:
+            s = p.seq
+            ids = s.all_ids[s.num_computed:s.num_computed + p.num_tokens]
+            d = pend.get(s.request_id)
+            if d is not None and d.tokens:
+                chunks.append(SeqChunk(s.request_id, ids + d.tokens, all_logits=True))
+                n_drafted += len(d.tokens)
+            else:
+                chunks.append(SeqChunk(s.request_id, ids))
+        t0 = time.perf_counter()
+        logits = eng.runner.step(eng.cache, chunks)
+        fwd_ms = (time.perf_counter() - t0) * 1e3
+        if self.controller is not None:
+            x = verify_x(len(dec), n_drafted, sum(1 for d in pend.values() if d.tokens), prefill_tokens)
+            if prefill_tokens:
+                # Prefill's cost is not linear enough to share the decode model's fit: only its per-token
+                # coefficient follows what these steps cost beyond the decode part.
+                th = self.verify_cost.theta
+                rest = fwd_ms - self.verify_cost.predict(x[:4] + [0.0])
+                th[4] += 0.2 * (max(rest, 0.0) / prefill_tokens - th[4])
+            elif n_drafted or self.steps % 4 == 0:
+                # Steps that draft teach most; plain ones (the same point again and again) now and then.
+                self.verify_cost.update(x, fwd_ms)
+        outputs = []
+        used: set[int] = set()
+        for p, lg in zip(planned, logits):
+            seq = p.seq
+            rid = seq.request_id
+            d = pend.get(rid)
+            if d is None or not d.tokens:
+                completes = p.completes
+                seq.num_computed += p.num_tokens
+                if not completes:
+                    continue
+                tok = sample(lg, seq.params, seq.generator or eng._default_gen)
+                seq.output_ids.append(tok)
+                eng._check_stop(seq, tok)
+                if d is not None and seq.status is not Status.FINISHED:
+                    eng.cache.truncate(rid, 0)  # pages taken for a draft that did not come
+            else:
+                used.add(d.handle.idx)
+                k = len(d.tokens)
+                gen = seq.generator or eng._default_gen
+                if seq.params.greedy:
+                    toks, n_acc = accept_greedy(d.tokens, lg)
+                else:
+                    toks, n_acc = accept_sampling(d.tokens, d.q, distribution(lg, seq.params), gen)
+                seq.num_computed += 1 + n_acc
+                per_token = bool(seq.params.stop)  # stop strings need the text after every token
+                for t in toks:
+                    seq.output_ids.append(t)
+                    eng._check_stop(seq, t, decode=per_token)
+                    if seq.status is Status.FINISHED:
+                        break
+                if not per_token:
+                    eng._set_text(seq, seq.finish_reason == "stop")
+                if seq.status is not Status.FINISHED:
+                    eng.cache.truncate(rid, k - n_acc)
+                    self._tell(d.handle, "commit", rid, seq.num_computed)
+                self._learn(seq, d, n_acc)
+            outputs.append(eng._output(seq))
+            if seq.status is Status.FINISHED:
+                del eng._seqs[rid]
+                self.release(rid)
+        for i in used:
+            self.handles[i].stats.steps += 1
+        if used:
+            self.spec_steps += 1
+        eng.scheduler.record_step((time.perf_counter() - t_start) * 1e3)
+        return outputs
+
+    def _learn(self, seq: Sequence, d: _Pending, n_acc: int) -> None:
+        h = d.handle
+        k = len(d.tokens)
+        h.stats.drafts += 1
+        h.stats.draft_tokens += k
+        h.stats.accepted_tokens += n_acc
+        seen = min(n_acc + 1, k)  # tokens after the first rejection were never judged
+        for j in range(seen):
+            self.predictor.observe(h.idx, d.xs[j], d.preds[j], j < n_acc)
+        st = self.reqs.get(seq.request_id)
+        if st is not None:
+            st.hist[h.idx] += 0.3 * (n_acc / seen - st.hist[h.idx])
+
+    # -- drafting -----------------------------------------------------------
+    def _draft(self, dec: list[ScheduledChunk], prefill_tokens: int) -> dict[str, _Pending]:
+        eng = self.eng
+        cache = eng.cache
+        seqs = [p.seq for p in dec]
+        caps = [self._cap(s) for s in seqs]
+        if not any(caps):
+            return {}
+        sts = [self._req(s) for s in seqs]
+        live = [h for h in self.handles if h.disabled is None]
+        if not self.exit_chosen:
+            self._choose_exit(seqs)
+        ctxs = [s.all_ids for s in seqs]
+        gens = [s.generator or eng._default_gen for s in seqs]
+        temps = [0.0 if s.params.greedy else s.params.temperature for s in seqs]
+
+        def request(i: int, k: int, keep: Any = None) -> DraftRequest:
+            return DraftRequest(seqs[i].request_id, ctxs[i], k, temps[i], gens[i], keep)
+
+        if self.strategy == "fixed":
+            h = self.fixed
+            if h is None or h.disabled:
+                return {}
+            chosen: list[tuple[Handle | None, int]] = [(h, c) for c in caps]
+            probed: dict[int, list[Draft]] = {}
+        else:
+            # Lookup-style drafters are nearly free: draft with them for everyone, then decide.
+            probed = {}
+            sunk_ms = 0.0
+            t0 = time.perf_counter()
+            for h in live:
+                if h.probe:
+                    got = self._run(h, [request(i, c) for i, c in enumerate(caps)])
+                    if got is not None:
+                        probed[h.idx] = got
+            sunk_ms = (time.perf_counter() - t0) * 1e3
+            live = [h for h in live if h.disabled is None]  # a probe may have failed
+            chosen = self._decide(seqs, sts, caps, live, probed, prefill_tokens, sunk_ms)
+        # KV room for 1 + k tokens, from free pages only.
+        ks = []
+        for s, (h, k) in zip(seqs, chosen):
+            while k > 0 and not cache.can_grow(s.request_id, s.num_computed + 1 + k):
+                k -= 1
+            if k > 0:
+                cache.reserve(s.request_id, s.num_computed + 1 + k)
+            ks.append(k)
+        pend: dict[str, _Pending] = {}
+        groups: dict[int, list[int]] = {}
+        for i, ((h, _), k) in enumerate(zip(chosen, ks)):
+            if h is None or k <= 0:
+                continue
+            if h.idx in probed:
+                self._pending(pend, i, seqs[i], sts[i], h, probed[h.idx][i], k)
+            else:
+                groups.setdefault(h.idx, []).append(i)
+        for hi, members in groups.items():
+            h = self.handles[hi]
+            if h.disabled:
+                continue
+            keep = self._keep_going if self.strategy == "deepspec" else None
+            reqs = [request(i, ks[i], None if keep is None else keep(seqs[i], sts[i], h)) for i in members]
+            got = self._run(h, reqs)
+            if got is None:
+                continue
+            for i, dr in zip(members, got):
+                self._pending(pend, i, seqs[i], sts[i], h, dr, ks[i])
+        for i, k in enumerate(ks):  # reserved pages are given back after verification even if nothing came
+            rid = seqs[i].request_id
+            h_i = chosen[i][0]
+            if k > 0 and rid not in pend and h_i is not None:
+                pend[rid] = _Pending(h_i, [], None, [], [])
+        return pend
+
+    def _pending(self, pend: dict[str, _Pending], i: int, seq: Sequence, st: _Req, h: Handle, dr: Draft,
+                 k: int) -> None:
+        toks = list(dr.tokens[:k])
+        q = None
+        if dr.probs is not None and toks:
+            q = torch.as_tensor(np.asarray(dr.probs)[: len(toks)], dtype=torch.float32)
+        if q is not None and seq.params.greedy:
+            q = None
+        conf = list(dr.confidence[: len(toks)]) if dr.confidence is not None else None
+        ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
+        xs, preds = [], []
+        for j in range(len(toks)):
+            c = conf[j] if conf is not None else st.conf[h.idx]
+            x = features(c, st.hist[h.idx], j + 1, st.rep, ctx_len)
+            xs.append(x)
+            preds.append(self.predictor.predict(h.idx, x))
+        if conf:
+            st.conf[h.idx] += 0.2 * (sum(conf) / len(conf) - st.conf[h.idx])
+        pend[seq.request_id] = _Pending(h, toks, q, xs, preds)
+
+    def _keep_going(self, seq: Sequence, st: _Req, h: Handle) -> Any:
+        """Early stop inside a drafter: continue while the next token's expected gain pays its time."""
+        ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
+        plan = self._plan
+        thresh = plan.rate * plan.marginal.get(h.idx, 0.0) if plan is not None else 0.0
+        state = [1.0]
+
+        def keep(j: int, conf: float) -> bool:
+            a = self.predictor.predict(h.idx, features(conf, st.hist[h.idx], j, st.rep, ctx_len))
+            state[0] *= a
+            return state[0] * a >= thresh
+
+        return keep
+
+    _plan: Plan | None = None
+
+    def _decide(self, seqs: list[Sequence], sts: list[_Req], caps: list[int], live: list[Handle],
+                probed: dict[int, list[Draft]], prefill_tokens: int, sunk_ms: float) -> list[tuple[Handle | None, int]]:
+        assert self.controller is not None
+        pred = self.predictor
+        options: list[list[Option]] = []
+        for i, (s, st, cap) in enumerate(zip(seqs, sts, caps)):
+            opts = []
+            if cap > 0:
+                ctx_len = len(s.prompt_ids) + len(s.output_ids)
+                for h in live:
+                    if h.idx in probed:
+                        dr = probed[h.idx][i]
+                        n = min(len(dr.tokens), cap)
+                        if n == 0:
+                            continue
+                        c = dr.confidence[0] if dr.confidence else st.conf[h.idx]
+                    else:
+                        n, c = cap, st.conf[h.idx]
+                    x = features(c, st.hist[h.idx], 1, st.rep, ctx_len)
+                    w = pred.models[h.idx].w
+                    # Only the position feature (index 4, pos / 8) changes along the draft.
+                    opts.append(Option(h.idx, None, sunk=h.idx in probed, n=n,
+                                       z0=sum(wi * xi for wi, xi in zip(w, x)), dz=w[4] / 8.0))
+                    # Unused drafters' histories drift back to the overall mean: a bad streak is not forever.
+                    st.hist[h.idx] += 0.05 * (pred.mean[h.idx] - st.hist[h.idx])
+            options.append(opts)
+        plan = self.controller.choose(options, prefill_tokens, sunk_ms)
+        self._plan = plan
+        out = [(None if c.drafter is None else self.handles[c.drafter], c.k) for c in plan.choices]
+        if any(options) and not any(k for _, k in out):
+            # The cost model only learns what drafting costs from steps that draft: when it has kept
+            # speculation off for a while, draft once, short, with the most promising option; soon
+            # when that option is predicted to lose little (the estimate may be what is wrong).
+            # Each exploration that changes nothing doubles the wait before the next.
+            # Before any draft at all the whole cost model is the startup calibration's: check it soon.
+            near = plan.best_margin > -0.25 or self.spec_steps == 0
+            self._quiet += 1.0 if near else 0.25
+            if self._quiet >= self._explore_gap:
+                self._quiet = 0
+                self._explore_gap = min(2 * self._explore_gap, _EXPLORE_MAX)
+                self.explore_steps += 1
+                i, o = max(((i, o) for i, opts in enumerate(options) for o in opts), key=lambda io: io[1].acc(0))
+                out[i] = (self.handles[o.drafter], min(2, o.n))
+        else:
+            self._quiet = 0
+            if any(k for _, k in out):
+                self._explore_gap = _EXPLORE_FIRST
+        return out
+
+    def _choose_exit(self, seqs: list[Sequence]) -> None:
+        """Self-drafting's exit layer, by measurement on the first real context long enough."""
+        from dspark.llm.spec_drafters import SelfDrafter
+
+        for h in self.handles:
+            obj = h.obj
+            if not isinstance(obj, SelfDrafter) or h.disabled:
+                continue
+            if len(obj.candidates) < 2:
+                self.exit_chosen = True
+                return
+            ctx = max((s.all_ids for s in seqs), key=len)
+            if len(ctx) < 16:
+                return  # wait for a longer context
+            old = obj.exit_layer
+            try:
+                new = obj.choose_exit_layer(ctx)
+            except Exception as exc:
+                self._disable(h, f"choose_exit_layer raised {type(exc).__name__}: {exc}")
+                return
+            if h.cost is not None and new != old and old in obj.measured and new in obj.measured:
+                f = obj.measured[new]["relative_cost"] / max(obj.measured[old]["relative_cost"], 1e-9)
+                h.cost.theta = [t * f for t in h.cost.theta]
+            self.calibration["self_exit_layer"] = {"chosen": new, **{str(e): m for e, m in obj.measured.items()}}
+            log.info("spec.exit_layer", chosen=new, measured=obj.measured)
+        self.exit_chosen = True
+
+    # -- reporting ----------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        drafts = sum(h.stats.drafts for h in self.handles)
+        dt = sum(h.stats.draft_tokens for h in self.handles)
+        acc = sum(h.stats.accepted_tokens for h in self.handles)
+        return {
+            "spec_strategy": self.strategy,
+            "spec_drafts": drafts, "spec_draft_tokens": dt, "spec_accepted_tokens": acc,
+            "spec_acceptance_rate": acc / dt if dt else 0.0,
+            "spec_mean_accepted_length": acc / drafts if drafts else 0.0,
+            "spec_drafter_failures": self.failures,
+            "spec_explore_steps": self.explore_steps,
+            "spec_calibration_error": self.predictor.total.error(),
+            "spec_drafters": {h.name: {**h.stats.as_dict(), "kind": h.kind, "plugin": h.plugin,
+                                       "disabled": h.disabled,
+                                       "calibration_error": self.predictor.calib[h.idx].error()}
+                              for h in self.handles},
+        }
+
+    def calibration_table(self) -> list[dict[str, float]]:
+        return self.predictor.total.table()
+
+
+def _low(ts: list[float]) -> float:
+    """The lower quartile: what a call costs when the machine is not busy with something else."""
+    ts = sorted(ts)
+    return ts[(len(ts) - 1) // 4]

@@ -1,0 +1,570 @@
+"""Speculative decoding (DeepSpec): lossless, rolled back without leaks, adaptive, pluggable.
+
+Tiny random checkpoints (a 4-layer target, a draft made from it with noise,
+a vocabulary-8 model for distribution tests) keep this fast; one test runs
+the embedded model, where real acceptance behaviour matters.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from llm_testutil import make_checkpoint, make_draft_checkpoint, make_small_vocab_checkpoint, random_prompts
+from pydantic import ValidationError
+from scipy.stats import chisquare
+
+import dspark
+from dspark.llm import LLM, SamplingParams
+from dspark.llm.config import EngineConfig
+from dspark.llm.sampling import distribution
+from dspark.llm.spec_controller import RLS, Controller, Option
+from dspark.llm.spec_predictor import AcceptancePredictor, features
+from dspark.llm.spec_verify import accept_greedy, accept_sampling
+from dspark.plugin_manager import PluginHost
+from dspark.settings import PluginSettings
+from dspark.types import Draft, DrafterSpec, TargetModel
+
+
+@pytest.fixture(scope="session")
+def target4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer tiny target with a draft next to it (found by draft_model='auto')."""
+    root = tmp_path_factory.mktemp("spec")
+    t = make_checkpoint(root / "tiny4", "llama", seed=3, num_hidden_layers=4)
+    make_draft_checkpoint(t, root / "tiny4-draft", noise=0.35)
+    return t
+
+
+@pytest.fixture(scope="session")
+def exact_draft(target4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's own weights as a draft: every drafted token is accepted (the bonus-token path)."""
+    return make_draft_checkpoint(target4, tmp_path_factory.mktemp("exact") / "exact", noise=0.0)
+
+
+@pytest.fixture
+def spec_llm(target4: Path) -> Iterator[Callable[..., LLM]]:
+    """Build LLMs on the tiny target; afterwards every KV page, target's and draft model's, must be back."""
+    made: list[LLM] = []
+
+    def make(spec: Any = None, **kw: Any) -> LLM:
+        kw.setdefault("dtype", "float32")
+        if spec is not None:
+            kw["speculative_decoding"] = spec
+        llm = LLM(str(kw.pop("model", target4)), **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    problems = []
+    for llm in made:
+        if not llm.engine.cache.all_free():
+            problems.append(("target", llm.engine.cache.stats()))
+        for h in getattr(llm.engine.spec, "handles", []):
+            cache = getattr(h.obj, "cache", None)
+            if cache is not None and not cache.all_free():
+                problems.append((h.name, cache.stats()))
+        llm.engine.abort_all()
+    assert not problems, f"KV pages not returned: {problems}"
+
+
+def _prompts() -> list[list[int]]:
+    """Random prompts, and repetitive ones on which lookup drafting has something to copy."""
+    rep = [[7, 8, 9, 10, 11] * 5, [40, 41, 42] * 8 + [40], list(range(50, 62)) * 3]
+    return random_prompts(5, seed=5, lo=4, hi=40) + rep
+
+
+GREEDY_LENS = [12, 5, 17, 9, 24, 30, 7, 20]
+
+
+def _greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target4: Path) -> list[list[int]]:
+    llm = LLM(str(target4), dtype="float32")
+    return [o.token_ids for o in llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])]
+
+
+# -- greedy identity ------------------------------------------------------------------------------
+
+SPECS = {
+    "ngram-k3": {"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 3},
+    "self-k2": {"strategy": "fixed", "drafters": ["self"], "num_speculative_tokens": 2, "exit_layer": 2},
+    "model-k5": {"strategy": "fixed", "drafters": ["model"], "num_speculative_tokens": 5},
+    "deepspec": {"strategy": "deepspec"},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_output_is_token_identical_inside_continuous_batching(
+        name: str, spec_llm: Callable[..., LLM], plain_outputs: list[list[int]]) -> None:
+    llm = spec_llm(SPECS[name], max_batch_size=3)
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs
+    s = llm.stats()
+    assert s.spec_drafts > 0 and s.spec_draft_tokens > 0
+    if name != "deepspec":
+        assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens  # both paths taken: accept and reject
+        (only,) = s.spec_drafters.values()
+        assert only["drafts"] == s.spec_drafts
+
+
+def test_fully_accepted_drafts_emit_the_bonus_token(spec_llm: Callable[..., LLM], exact_draft: Path,
+                                                    plain_outputs: list[list[int]]) -> None:
+    llm = spec_llm({"strategy": "fixed", "draft_model": str(exact_draft), "drafters": ["model"],
+                    "num_speculative_tokens": 4})
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs
+    s = llm.stats()
+    assert s.spec_accepted_tokens == s.spec_draft_tokens > 0
+    # Accepting k drafts emits k + 1 tokens: far fewer steps than tokens.
+    assert s.spec_mean_accepted_length > 2.5
+
+
+@pytest.mark.parametrize("spec", [{"strategy": "fixed", "drafters": ["model"], "num_speculative_tokens": 6},
+                                  {"strategy": "deepspec"}], ids=["fixed-model", "deepspec"])
+def test_identical_under_preemption_with_a_tight_kv_budget(spec: dict[str, Any], spec_llm: Callable[..., LLM],
+                                                           target4: Path) -> None:
+    prompts = random_prompts(6, seed=9, lo=8, hi=20)
+    params = [_greedy(18) for _ in prompts]
+    ref = LLM(str(target4), dtype="float32").generate(prompts, params)
+    llm = spec_llm(spec, page_size=4, max_total_tokens=64, max_batch_size=4)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert llm.stats().spec_drafts > 0
+
+
+def test_stop_strings_stop_tokens_and_max_tokens_hit_mid_draft(spec_llm: Callable[..., LLM], target4: Path,
+                                                               exact_draft: Path) -> None:
+    prompts = _prompts()
+    plain = LLM(str(target4), dtype="float32")
+    base = plain.generate(prompts, [_greedy(20) for _ in prompts])
+    params = []
+    for i, o in enumerate(base):
+        if i % 3 == 0 and len(o.text) > 8:
+            params.append(_greedy(20, stop=[o.text[4:7]]))
+        elif i % 3 == 1:
+            params.append(_greedy(20, stop_token_ids=[o.token_ids[6]]))
+        else:
+            params.append(_greedy(7 + i))
+    ref = plain.generate(prompts, params)
+    # An exact draft accepts everything, so every stop lands inside a long accepted run.
+    llm = spec_llm({"strategy": "fixed", "draft_model": str(exact_draft), "drafters": ["model"],
+                    "num_speculative_tokens": 8})
+    outs = llm.generate(prompts, params)
+    for r, o in zip(ref, outs):
+        assert (o.token_ids, o.text, o.finish_reason) == (r.token_ids, r.text, r.finish_reason)
+    assert any(r.finish_reason == "stop" for r in ref) and any(r.finish_reason == "length" for r in ref)
+
+
+def test_embedded_model_greedy_identity_and_real_acceptance() -> None:
+    """On the real model with every built-in drafter offered, DeepSpec drafts, accepts, and changes nothing."""
+    import sysconfig
+
+    src = (Path(sysconfig.get_paths()["stdlib"]) / "statistics.py").read_text()
+    plain = LLM(dtype="float32")
+    tok = plain.engine.tokenizer
+    prompts = [tok.encode(src[i:i + 700]).ids for i in (0, 4000)] + [tok.encode("import os\n").ids]
+    params = _greedy(40)
+    ref = plain.generate(prompts, params)
+    llm = LLM(dtype="float32", speculative_decoding={"strategy": "deepspec"})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    s = llm.stats()
+    kinds = {d["kind"] for d in s.spec_drafters.values()}
+    assert {"model", "self", "ngram"} <= kinds, s.spec_drafters
+    diag = (llm.engine.spec.calibration, llm.engine.spec.verify_cost.theta, s.spec_drafts, s.spec_explore_steps,
+            s.spec_drafter_failures, {k: (v["drafts"], v["disabled"]) for k, v in s.spec_drafters.items()})
+    assert s.spec_accepted_tokens > 20 and s.spec_calibration_error is not None, diag
+    assert llm.engine.cache.all_free()
+    assert llm.engine.spec.calibration["self_exit_layer"]["chosen"] in (1, 2, 3)
+
+
+def test_exit_layer_is_chosen_by_measured_agreement_and_cost(spec_llm: Callable[..., LLM],
+                                                             plain_outputs: list[list[int]]) -> None:
+    llm = spec_llm({"strategy": "fixed", "drafters": ["self"], "num_speculative_tokens": 2})
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs
+    measured = llm.engine.spec.calibration["self_exit_layer"]
+    cands = {k: v for k, v in measured.items() if k != "chosen"}
+    assert set(cands) == {"1", "2"}  # the lower half of the 4 layers
+    for m in cands.values():
+        assert 0 <= m["agreement"] <= 1 and m["relative_cost"] > 0
+    best = max(cands, key=lambda e: cands[e]["best_speedup"])
+    assert measured["chosen"] == int(best) == llm.engine.spec.handles[0].obj.exit_layer
+
+
+# -- the rejection rule ---------------------------------------------------------------------------
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.asarray(counts, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    probs = probs / probs.sum()
+    keep = probs * counts.sum() >= 5  # pool rare categories so the chi-square approximation holds
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()  # exact equality of totals, as scipy insists
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _first_token_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, seed: int,
+                        rule: Callable[..., tuple[list[int], int]] = accept_sampling) -> np.ndarray:
+    gen = torch.Generator().manual_seed(seed)
+    V = p.shape[-1]
+    counts = np.zeros(V)
+    for _ in range(draws):
+        if q is None:
+            draft = [2, 0]  # a deterministic drafter's fixed guess
+        else:
+            draft = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+        toks, _ = rule(draft, q, p, gen)
+        counts[toks[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_rule_samples_the_target_distribution(deterministic: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)
+    q = None if deterministic else torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    counts = _first_token_counts(p, q, 6000, seed=1)
+    assert _chi2(counts, p[0].numpy()) > 1e-3
+
+
+def test_the_chi_square_check_catches_a_biased_rule() -> None:
+    """The test above can fail: always accepting the draft follows q, not p, and is caught."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)
+
+    def always_accept(draft: list[int], q: Any, p: Any, gen: Any) -> tuple[list[int], int]:
+        return list(draft), len(draft)
+
+    assert _chi2(_first_token_counts(p, q, 6000, 1, always_accept), p[0].numpy()) < 1e-6
+
+
+def test_identical_draft_distribution_is_always_accepted() -> None:
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(4, 10, generator=g), -1)
+    draft = [int(torch.multinomial(p[j], 1, generator=g)) for j in range(3)]
+    toks, n = accept_sampling(draft, p[:3].clone(), p, g)
+    assert n == 3 and toks[:3] == draft and len(toks) == 4
+
+
+def test_greedy_acceptance_is_the_matching_prefix_then_the_target_token() -> None:
+    logits = torch.full((4, 5), -1.0)
+    for row, best in enumerate([3, 1, 4, 0]):
+        logits[row, best] = 1.0
+    assert accept_greedy([3, 1, 2], logits) == ([3, 1, 4], 2)
+    assert accept_greedy([3, 1, 4], logits) == ([3, 1, 4, 0], 3)
+    assert accept_greedy([0], logits[:2]) == ([3], 0)
+
+
+def test_distribution_matches_the_sampler() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, generator=g)
+    for p in (SamplingParams(temperature=0.7, top_k=4), SamplingParams(top_p=0.7), SamplingParams(temperature=0)):
+        dist = distribution(logits, p).numpy()
+        assert abs(dist.sum() - 1) < 1e-5
+        gen = torch.Generator().manual_seed(1)
+        from dspark.llm.sampling import sample
+
+        counts = np.bincount([sample(logits, p, gen) for _ in range(3000)], minlength=9)
+        if p.greedy:
+            assert counts.argmax() == dist.argmax() and counts.max() == 3000
+        else:
+            assert (counts[dist == 0] == 0).all() and _chi2(counts, dist) > 1e-3
+
+
+def test_end_to_end_sampling_matches_the_target_model(tmp_path: Path) -> None:
+    """Speculative sampling of a real (tiny) model: tokens 2 and 3 follow the model's own distribution.
+
+    Token 1 comes from the prefill step; the next step drafts two tokens with
+    a noisy draft model (sampling from its own softened distribution) and
+    verifies them, so tokens 2 and 3 pass through acceptance, residual
+    resampling and the bonus token. Expected frequencies are exact, from the
+    model's conditional distributions.
+    """
+    from dspark.llm.model import ModelRunner, SeqChunk
+
+    tgt = make_small_vocab_checkpoint(tmp_path / "v8", vocab=8, seed=2)
+    draft = make_draft_checkpoint(tgt, tmp_path / "v8-draft", noise=0.8)
+    prompt = [0, 3, 5]
+    params = SamplingParams(max_tokens=4, temperature=0.9, top_k=6, ignore_eos=True)
+    n = 3000
+    llm = LLM(str(tgt), dtype="float32", max_batch_size=256,
+              speculative_decoding={"strategy": "fixed", "drafters": ["model"], "num_speculative_tokens": 2})
+    outs = llm.generate([prompt] * n, [params.model_copy(update={"seed": i}) for i in range(n)])
+    s = llm.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    assert llm.engine.cache.all_free() and llm.engine.spec.handles[0].obj.cache.all_free()
+
+    runner = ModelRunner.from_pretrained(str(tgt), "float32")
+
+    def dist(ctx: list[int]) -> np.ndarray:
+        cache = runner.make_cache(8, 16)
+        return distribution(runner.step(cache, [SeqChunk("s", ctx)])[0], params).double().numpy()
+
+    p1 = dist(prompt)
+    p12 = np.stack([p1[a] * dist(prompt + [a]) for a in range(8)])  # P(t1, t2)
+    p2 = p12.sum(0)
+    p3 = sum(p12[a, b] * dist(prompt + [a, b]) for a in range(8) for b in range(8))
+    toks = np.array([o.token_ids for o in outs])
+    assert _chi2(np.bincount(toks[:, 1], minlength=8).astype(float), p2) > 1e-3
+    assert _chi2(np.bincount(toks[:, 2], minlength=8).astype(float), p3) > 1e-3
+    assert _chi2(np.bincount(toks[:, 0] * 8 + toks[:, 1], minlength=64).astype(float), p12.reshape(-1)) > 1e-3
+
+
+# -- predictor and controller ---------------------------------------------------------------------
+
+
+def test_predictor_learns_and_its_calibration_improves() -> None:
+    rng = random.Random(0)
+    pred = AcceptancePredictor(1, priors=[0.5])
+    early, late = [], []
+    for i in range(4000):
+        conf, hist, rep = rng.random(), rng.random(), rng.random()
+        true = 1 / (1 + math.exp(-(5 * conf + 2 * rep - 4)))  # what acceptance really depends on
+        x = features(conf, hist, rng.randint(1, 8), rep, 200)
+        a = pred.predict(0, x)
+        y = rng.random() < true
+        (early if i < 500 else late if i >= 3500 else []).append((a, y, true))
+        pred.observe(0, x, a, y)
+
+    def mean_abs(rows: list[tuple[float, bool, float]]) -> float:
+        return sum(abs(a - t) for a, _, t in rows) / len(rows)
+
+    assert mean_abs(late) < 0.5 * mean_abs(early)
+    assert mean_abs(late) < 0.06
+    table = pred.total.table()
+    assert sum(r["n"] for r in table) == 4000 and pred.total.error() is not None
+    lo = next(r for r in table if r["bucket"] == 0.0)
+    hi = next(r for r in table if r["bucket"] == 0.9)
+    assert lo["observed"] < 0.15 and hi["observed"] > 0.8
+
+
+def _controller(step_ms: float, per_token_ms: float, draft_ms_per_pos: float, per_row_ms: float = 0.2) -> Controller:
+    verify = RLS([step_ms, per_row_ms, per_token_ms, 0.3, 0.05], [1.0] * 5)
+    draft = RLS([0.05, draft_ms_per_pos, 0.0, 0.0], [1.0] * 4)
+    lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
+    return Controller(verify, [draft, lookup])
+
+
+def test_controller_turns_speculation_off_when_it_cannot_pay() -> None:
+    c = _controller(step_ms=5.0, per_token_ms=0.8, draft_ms_per_pos=1.0)
+    low = c.choose([[Option(0, [0.03] * 8)]])
+    assert low.choices[0].k == 0 and low.rate == low.plain_rate
+    # A drafter as slow as the target itself: no acceptance makes it worth it.
+    slow = _controller(step_ms=5.0, per_token_ms=0.8, draft_ms_per_pos=5.0)
+    assert slow.choose([[Option(0, [0.75] * 8)]]).choices[0].k == 0
+
+
+def test_controller_drafts_when_it_pays_and_more_for_more_acceptance() -> None:
+    c = _controller(step_ms=5.0, per_token_ms=0.8, draft_ms_per_pos=1.0)
+    mid = c.choose([[Option(0, [0.7] * 8)]]).choices[0]
+    high = c.choose([[Option(0, [0.95] * 8)]]).choices[0]
+    assert 0 < mid.k < high.k and high.drafter == 0
+    # A free lookup draft beats the model draft at equal acceptance, and its length bounds k.
+    both = c.choose([[Option(0, [0.8] * 8), Option(1, [0.8] * 3, sunk=True)]]).choices[0]
+    assert both.drafter == 1 and both.k == 3
+
+
+def test_controller_speculates_less_in_big_batches() -> None:
+    # Per decode row the step costs 0.8 ms: at 32 rows a drafted token costs nearly a row's full price.
+    c = _controller(step_ms=5.0, per_token_ms=0.8, draft_ms_per_pos=0.3, per_row_ms=0.8)
+    one = c.choose([[Option(0, [0.6] * 8)]])
+    many = c.choose([[Option(0, [0.6] * 8)] for _ in range(32)])
+    assert one.choices[0].k > 0
+    assert sum(ch.k for ch in many.choices) / 32 < one.choices[0].k
+
+
+def test_conservative_mode_caps_k_for_long_open_ended_text(spec_llm: Callable[..., LLM]) -> None:
+    llm = spec_llm({"strategy": "deepspec", "conservative": True, "drafters": ["ngram"], "max_k": 8})
+    spec = llm.engine.spec
+    seq = llm.engine.make_sequence("x", random_prompts(1, seed=1, lo=30, hi=31)[0], _greedy(200))
+    spec._req(seq)
+    assert spec.reqs["x"].open_ended and spec._cap(seq) == 8
+    seq.output_ids = list(range(3, 80))
+    assert spec._cap(seq) == 2
+    code = llm.engine.make_sequence("y", [7, 8, 9, 10] * 10, _greedy(200))
+    spec._req(code)
+    code.output_ids = list(range(3, 80))
+    assert not spec.reqs["y"].open_ended and spec._cap(code) == 8
+    spec.reqs.clear()
+
+
+class _OracleAndWrong:
+    """Two cheap drafters: one that knows plain decoding's answer, one that is always wrong."""
+
+    DSPARK_API_VERSION = "1.1"
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+        self.wrong_calls: list[int] = []  # tokens drafted by the wrong one, per call
+
+    @dspark.hookimpl
+    def dspark_drafters(self, target: TargetModel) -> list[DrafterSpec]:
+        answers, wrong_calls = self.answers, self.wrong_calls
+
+        class Oracle:
+            def propose(self, tokens: list[int], k: int) -> Draft:
+                for prompt, out in answers.items():
+                    if tuple(tokens[:len(prompt)]) == prompt:
+                        done = len(tokens) - len(prompt)
+                        return Draft(tokens=out[done:done + k])
+                return Draft(tokens=[])
+
+        class Wrong:
+            def propose(self, tokens: list[int], k: int) -> Draft:
+                wrong_calls.append(k)
+                return Draft(tokens=[(tokens[-1] + 1 + j) % 300 + 3 for j in range(k)])
+
+        # Lookup-like (kind "ngram"): both are drafted with for every sequence before the choice.
+        return [DrafterSpec(name="oracle", kind="ngram", create=Oracle),
+                DrafterSpec(name="wrong", kind="ngram", create=Wrong)]
+
+
+def test_deepspec_learns_which_drafter_pays(spec_llm: Callable[..., LLM], plain_outputs: list[list[int]]) -> None:
+    """Offered a drafter that is always right and one that is always wrong, DeepSpec drafts long with the
+    first and soon stops paying for the second's tokens."""
+    plugin = _OracleAndWrong({tuple(p): out for p, out in zip(_prompts(), plain_outputs)})
+    host = PluginHost(PluginSettings(autoload=False)).load()
+    host.register(plugin, "oracle-and-wrong")
+    # "wrong" first: with nothing learned yet the two tie, and a tie goes to the first offer.
+    llm = spec_llm({"strategy": "deepspec", "drafters": ["wrong", "oracle"]}, plugin_host=host)
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs
+    first = llm.stats().spec_drafters
+    assert first["wrong"]["drafts"] > 0  # tried while nothing was known about it
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])  # the same traffic again
+    assert [o.token_ids for o in outs] == plain_outputs
+    d = llm.stats().spec_drafters
+    assert d["oracle"]["acceptance_rate"] == 1.0 and d["oracle"]["mean_accepted_length"] > 3
+    assert d["wrong"]["accepted_tokens"] == 0
+    assert d["wrong"]["drafts"] - first["wrong"]["drafts"] <= 1
+    assert d["oracle"]["drafts"] - first["oracle"]["drafts"] >= 8
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"strategy": "sometimes"}, "speculative_decoding.strategy"),
+    ({"num_speculative_tokens": 0}, "speculative_decoding.num_speculative_tokens"),
+    ({"max_k": 99}, "speculative_decoding.max_k"),
+    ({"exit_layer": 0}, "speculative_decoding.exit_layer"),
+    ({"draftmodel": "auto"}, "speculative_decoding.draftmodel"),
+])
+def test_config_errors_name_the_field(bad: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
+        EngineConfig(speculative_decoding=bad)
+
+
+def test_config_forms_and_aliases() -> None:
+    assert not EngineConfig().speculative.active
+    assert EngineConfig(speculative_decoding=True).speculative.active
+    assert EngineConfig(speculative={"strategy": "deepspec_v2"}).speculative.strategy == "deepspec"
+    assert not EngineConfig(speculative_decoding={"strategy": "off"}).speculative.active
+    assert not EngineConfig(speculative_decoding={"enabled": False, "strategy": "fixed"}).speculative.active
+    assert EngineConfig(speculative_decoding={"draft_model": None}).speculative.draft_model == "none"
+
+
+def test_draft_model_and_exit_layer_are_checked_against_the_target(target4: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="speculative_decoding.draft_model: .*no config.json"):
+        LLM(str(target4), dtype="float32", speculative_decoding={"draft_model": str(tmp_path)})
+    other = make_small_vocab_checkpoint(tmp_path / "v8")
+    with pytest.raises(ValueError, match="speculative_decoding.draft_model: .*vocab_size 8 differs"):
+        LLM(str(target4), dtype="float32", speculative_decoding={"draft_model": str(other)})
+    with pytest.raises(ValueError, match="speculative_decoding.exit_layer: 4 is not below"):
+        LLM(str(target4), dtype="float32", speculative_decoding={"exit_layer": 4})
+
+
+def test_off_means_the_plain_path(spec_llm: Callable[..., LLM]) -> None:
+    llm = spec_llm({"strategy": "off"})
+    assert llm.engine.spec is None and llm.stats().spec_drafts == 0
+
+
+# -- plugins --------------------------------------------------------------------------------------
+
+
+class _Faulty:
+    """A drafter plugin whose drafter breaks mid-run, in one of several ways."""
+
+    DSPARK_API_VERSION = "1.1"
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    @dspark.hookimpl
+    def dspark_drafters(self, target: TargetModel) -> list[DrafterSpec]:
+        how = self.how
+
+        class Drafter:
+            calls = 0
+
+            def propose(self, tokens: list[int], k: int) -> Draft:
+                Drafter.calls += 1
+                if Drafter.calls > 3:
+                    if how == "raise":
+                        raise RuntimeError("drafter exploded")
+                    if how == "vocab":
+                        return Draft(tokens=[10**6])
+                    if how == "too_long":
+                        return Draft(tokens=[5] * (k + 1))
+                return Draft(tokens=tokens[-k:] if k else [])
+
+        return [DrafterSpec(name=f"faulty-{how}", kind="other", create=Drafter)]
+
+
+@pytest.mark.parametrize("how", ["raise", "vocab", "too_long"])
+def test_a_failing_drafter_is_reported_and_bypassed(how: str, spec_llm: Callable[..., LLM],
+                                                    plain_outputs: list[list[int]],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    host = PluginHost(PluginSettings(autoload=False)).load()
+    host.register(_Faulty(how), "faulty")
+    llm = spec_llm({"strategy": "fixed", "drafters": [f"faulty-{how}"], "num_speculative_tokens": 2},
+                   plugin_host=host)
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs  # nobody noticed, output-wise
+    s = llm.stats()
+    info = s.spec_drafters[f"faulty-{how}"]
+    assert s.spec_drafter_failures == 1 and info["failures"] == 1 and info["disabled"]
+    assert info["plugin"] == "faulty"
+    assert "spec.drafter_failed" in capsys.readouterr().err
+
+
+def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
+    host = PluginHost(PluginSettings(autoload=False)).load()
+    from dspark.drafting import collect_drafters
+
+    t = TargetModel(name=target4.name, path=str(target4), vocab_size=320, num_layers=4, hidden_size=64)
+    offers = {o.name: o for o in collect_drafters(host, t)}
+    assert offers["prompt-lookup"].plugin == "ngram"
+    assert offers["draft-model:tiny4-draft"].plugin == "drafters" and offers["draft-model:tiny4-draft"].kind == "model"
+    assert "self-draft" not in offers  # only for a target running in this process (target.runtime)
+
+
+def test_plugin_api_1_0_drafters_still_load() -> None:
+    host = PluginHost(PluginSettings(autoload=False)).load()
+
+    class Old:
+        DSPARK_API_VERSION = "1.0"
+
+        @dspark.hookimpl
+        def dspark_drafters(self, target: TargetModel) -> list[DrafterSpec]:
+            return [DrafterSpec(name="old", kind="other", create=lambda: None)]
+
+    assert host.register(Old(), "old").status.value == "active"
+    assert dspark.API_VERSION == "1.1"
