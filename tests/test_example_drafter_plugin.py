@@ -8,13 +8,12 @@ distribution's ``dspark`` entry point, not through this repository's tree.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plugin_install import install_plugin
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "plugins" / "dspark-example-drafter"
@@ -41,22 +40,8 @@ print(json.dumps({"record": rec.model_dump(mode="json"), "same": [x.token_ids fo
 
 @pytest.fixture(scope="module")
 def plugin_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("dspark_example_drafter")
-    src = root / "src"
-    shutil.copytree(PLUGIN_DIR, src, ignore=shutil.ignore_patterns(
-        "build", "*.egg-info", "__pycache__", ".pytest_cache"))
-    target = root / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"pip install of the example drafter plugin failed:\n{proc.stdout}\n{proc.stderr}")
-    env = {k: v for k, v in os.environ.items() if k not in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD")}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env["DSPARK_CACHE_DIR"] = str(root / "cache")
-    return env
+    """Environment for subprocesses that see the plugin installed in a temp dir."""
+    return install_plugin(PLUGIN_DIR, tmp_path_factory.mktemp("dspark_example_drafter"))
 
 
 def test_the_engine_drafts_with_the_installed_plugin(plugin_env: dict[str, str]) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plugin_install import install_plugin
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "plugins" / "dspark-numpy"
@@ -23,23 +23,7 @@ PLUGIN_DIR = REPO / "plugins" / "dspark-numpy"
 @pytest.fixture(scope="module")
 def plugin_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment for subprocesses that see the plugin installed in a temp dir."""
-    root = tmp_path_factory.mktemp("dspark_numpy")
-    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
-    src = root / "src"
-    shutil.copytree(PLUGIN_DIR, src, ignore=shutil.ignore_patterns(
-        "build", "*.egg-info", "__pycache__", ".pytest_cache"))
-    target = root / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"pip install of the example plugin failed:\n{proc.stdout}\n{proc.stderr}")
-    env = {k: v for k, v in os.environ.items() if k not in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD")}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env["DSPARK_CACHE_DIR"] = str(root / "cache")  # a cold cache: the probe measures, then reuses
-    return env
+    return install_plugin(PLUGIN_DIR, tmp_path_factory.mktemp("dspark_numpy"))
 
 
 def test_devices_lists_the_plugin_from_its_entry_point(plugin_env: dict[str, str]) -> None:
