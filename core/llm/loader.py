@@ -128,11 +128,31 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# CPU flags that mean native half-precision matmul; without them torch emulates it, several times slower than fp32.
+_NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig | None = None) -> torch.dtype:
+    """``auto`` = as stored, except half precision on a GPU-less host whose CPU lacks it natively: float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return _DTYPES.get(cfg.torch_dtype or "float32", torch.float32) if cfg else torch.float32
+        stored = _DTYPES.get(cfg.torch_dtype or "float32", torch.float32) if cfg else torch.float32
+        flags = _NATIVE_CPU_FLAGS.get(stored)
+        if flags and not torch.cuda.is_available() and not _cpu_flags() & set(flags):
+            return torch.float32
+        return stored
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(sorted(_DTYPES))} or 'auto'")
     return _DTYPES[dtype]
