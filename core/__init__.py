@@ -30,7 +30,8 @@ from dspark.types import (
 if TYPE_CHECKING:
     from dspark.graph import Graph, Op, Subgraph, TensorSpec
     from dspark.inventory import Inventory
-    from dspark.llm import LLM, SamplingParams
+    from dspark.llm import LLM, SamplingParams, optimize_model
+    from dspark.quantization import QuantizationConfig, QuantPlan
     from dspark.plugin_manager import PluginHost
 
 __version__ = "0.1.0"
@@ -38,14 +39,15 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
     "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
-    "QuantSpec", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
-    "__version__",
+    "QuantPlan", "QuantSpec", "QuantizationConfig", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
+    "__version__", "optimize_model",
 ]
 
 _LAZY = {
     "Graph": "dspark.graph", "Op": "dspark.graph", "Subgraph": "dspark.graph", "TensorSpec": "dspark.graph",
     "Inventory": "dspark.inventory", "PluginHost": "dspark.plugin_manager",
-    "LLM": "dspark.llm", "SamplingParams": "dspark.llm",
+    "LLM": "dspark.llm", "SamplingParams": "dspark.llm", "optimize_model": "dspark.llm",
+    "QuantizationConfig": "dspark.quantization", "QuantPlan": "dspark.quantization",
 }
 
 

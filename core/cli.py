@@ -133,6 +133,9 @@ def demo(as_json: JsonOpt = False, plugin: PluginOpt = None,
 from dspark import cli_plan as _cli_plan  # noqa: E402,F401  (registers plan/run)
 from dspark import cli_serve as _cli_serve  # noqa: E402,F401  (registers serve)
 from dspark import cli_bench as _cli_bench  # noqa: E402,F401  (registers bench)
+from dspark import cli_convert as _cli_convert  # noqa: E402
+
+app.command("convert")(_cli_convert.convert)
 
 
 def main() -> None:

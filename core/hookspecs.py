@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.1).
+"""The dspark plugin contract (API version 1.2).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.1"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.2"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
 
 PROJECT = "dspark"
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -132,6 +132,15 @@ def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subg
     ``dspark_bid`` and ``dspark_compile`` the variant, so precision and
     placement are chosen together. ``None`` means the plugin has no kernel for
     this spec on this device.
+
+    The LLM engine calls this once per projection it quantizes, with
+    :func:`dspark.quant.linear_subgraph` (one MatMul ``x[tokens, K] @ W[K, N]``,
+    ``tokens`` symbolic): the compiled variant must take any row count, and
+    since API 1.2 its executable may offer ``run_torch`` (see
+    :func:`dspark.types.torch_runner`) so the engine's tensors need no host
+    round trip. The canonical quantized values are
+    :func:`dspark.quant.quantize_weight`'s; the variant's output must match
+    :func:`dspark.quant.reference_linear` within the spec's tolerance.
 
     Combining: all plugins driving the device are called; each variant is bid
     on separately.

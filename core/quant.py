@@ -75,3 +75,51 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     q = unpack_int4(qw.data, k) if qw.bits == 4 else qw.data
     scales = np.repeat(qw.scales, qw.group_size, axis=0)[:k]
     return (q.astype(np.float32) * scales).astype(np.float32)
+
+
+# -- the LLM's unit of quantization ------------------------------------------------------------
+
+LINEAR_INPUT, LINEAR_OUTPUT = "x", "y"
+
+
+def linear_subgraph(name: str, w_t: np.ndarray, *, tokens: int | str = "tokens",
+                    representative_tokens: int = 1) -> Subgraph:
+    """One projection ``y[tokens, N] = x[tokens, K] @ W[K, N]`` as a one-op subgraph.
+
+    This is what the LLM engine hands to ``dspark_quantize`` / ``dspark_bid`` /
+    ``dspark_compile`` for each of its linear layers: input ``"x"``, output
+    ``"y"``, float32 weight initializer ``f"{name}.weight"`` in the canonical
+    [K, N] layout (:func:`quantize_weight` reads it as is). ``tokens`` is
+    symbolic by default (the engine calls it with 1 row in decode and hundreds
+    in prefill); ``representative_tokens`` is the size cost models assume.
+    """
+    from dspark.graph import Graph, Op, TensorSpec
+
+    w = np.ascontiguousarray(w_t, dtype=np.float32)
+    k, n = w.shape
+    wname = f"{name}.weight"
+    rows = representative_tokens if isinstance(tokens, str) else tokens
+    graph = Graph(
+        name=name,
+        ops=[Op(name=name, op_type="MatMul", inputs=[LINEAR_INPUT, wname], outputs=[LINEAR_OUTPUT],
+                flops=2.0 * rows * k * n, param_bytes=int(w.nbytes))],
+        tensors={LINEAR_INPUT: TensorSpec(name=LINEAR_INPUT, dtype="float32", shape=(tokens, k)),
+                 wname: TensorSpec(name=wname, dtype="float32", shape=(k, n)),
+                 LINEAR_OUTPUT: TensorSpec(name=LINEAR_OUTPUT, dtype="float32", shape=(tokens, n))},
+        inputs=[LINEAR_INPUT], outputs=[LINEAR_OUTPUT], initializers={wname: w},
+        dim_hints={tokens: representative_tokens} if isinstance(tokens, str) else {},
+    )
+    return graph.subgraph()
+
+
+def quantize_activations_per_token(x: np.ndarray) -> np.ndarray:
+    """Dynamic symmetric int8 per row (token), returned dequantized: the reference for W8A8 kernels."""
+    scale = np.abs(x).max(axis=-1, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    return (np.clip(np.rint(x / scale), -127, 127) * scale).astype(np.float32)
+
+
+def reference_linear(x: np.ndarray, qw: QuantizedWeight, activations: str = "float") -> np.ndarray:
+    """What a quantized projection must compute (within the precision's tolerance), in float64."""
+    xa = quantize_activations_per_token(x) if activations == "dynamic_int8" else x
+    return (xa.astype(np.float64) @ dequantize(qw).astype(np.float64)).astype(np.float32)

@@ -163,6 +163,18 @@ class Executable(Protocol):
         ...
 
 
+def torch_runner(exe: Executable) -> Any:
+    """The executable's ``run_torch`` (API 1.2, optional), or None.
+
+    ``run_torch(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]``
+    takes and returns tensors on the device's torch device (``cuda:0`` for a
+    GPU, the host for a CPU), so an in-process caller such as the LLM engine
+    skips the host round trip of ``run``. Results must equal ``run``'s.
+    """
+    fn = getattr(exe, "run_torch", None)
+    return fn if callable(fn) else None
+
+
 class Draft(BaseModel):
     """Tokens proposed by a drafter, with their proposal distributions when known.
 

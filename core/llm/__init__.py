@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dspark.llm.api import LLM, AsyncLLMEngine, default_model_path
+    from dspark.llm.api import LLM, AsyncLLMEngine, default_model_path, optimize_model
     from dspark.llm.config import EngineConfig
     from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput, Usage
     from dspark.llm.kv_cache import PageAllocator, PagedKVCache
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from dspark.llm.sampling import SamplingParams
 
 _WHERE = {
-    "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "EngineConfig": "config",
+    "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "optimize_model": "api", "EngineConfig": "config",
     "EngineStats": "engine", "LLMEngine": "engine", "RequestOutput": "engine", "Usage": "engine",
     "PageAllocator": "kv_cache", "PagedKVCache": "kv_cache", "CheckpointError": "loader",
     "ModelConfig": "loader", "load_checkpoint": "loader", "ModelRunner": "model", "SeqChunk": "model",

@@ -89,6 +89,70 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def runner(self) -> Any:
+        """The :class:`~dspark.llm.model.ModelRunner` (its forward, kernels and weights)."""
+        return self.engine.runner
+
+    @property
+    def plan(self) -> Any:
+        """The :class:`~dspark.quantization.QuantPlan` the model runs with, or None when it is float."""
+        return self.engine.quant_plan
+
+    @property
+    def kernels(self) -> list[Any]:
+        """Who runs each quantized layer, and the bids that chose it."""
+        return list(self.engine.quant_kernels)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held in memory (quantized layers at their packed size)."""
+        return int(self.runner.weight_bytes())
+
+
+def optimize_model(model: Any = None, quantization_config: dict[str, Any] | str | None = None,
+                   speculative_decoding_config: dict[str, Any] | bool | None = None, *, dtype: str = "auto",
+                   **engine_kw: Any) -> LLM:
+    """The seed's entry point: a ready model, quantized and with speculative decoding as configured.
+
+    ``model``: a checkpoint directory, None for the embedded model, an optimized directory from
+    ``dspark convert``, or a loaded ``transformers`` model whose ``name_or_path`` is a local directory.
+    ``quantization_config``: :class:`~dspark.quantization.QuantizationConfig` fields, e.g.
+    ``{"method": "auto_mixed_precision", "calibration_dataset": "calib.jsonl",
+    "sensitive_layers": ["embed_tokens", "lm_head"], "target_device": "cpu"}``.
+    ``speculative_decoding_config``: :class:`~dspark.llm.config.SpeculativeConfig` fields, e.g.
+    ``{"enabled": True, "draft_model": "auto", "strategy": "deepspec"}``.
+    """
+    from dspark.quantization.config import QuantizationConfig
+
+    path = _model_path(model)
+    qc = None if quantization_config is None else QuantizationConfig.model_validate(
+        quantization_config if isinstance(quantization_config, dict) else {"method": quantization_config})
+    if qc is not None and qc.target_device not in ("auto", "cpu"):
+        import torch
+
+        dev = qc.target_device
+        ok = dev.startswith("cuda") and torch.cuda.is_available() and (
+            ":" not in dev or int(dev.split(":")[1]) < torch.cuda.device_count())
+        if not ok:
+            raise ValueError(f"quantization_config.target_device: {dev!r} is not a device torch can drive here "
+                             "(use 'cpu' or 'auto')")
+        engine_kw.setdefault("devices", "auto")
+    if speculative_decoding_config is not None:
+        engine_kw["speculative_decoding"] = speculative_decoding_config
+    return LLM(path, dtype=dtype, quantization=qc, **engine_kw)
+
+
+def _model_path(model: Any) -> Path | None:
+    if model is None or isinstance(model, (str, Path)):
+        return None if model is None else Path(model)
+    if isinstance(model, LLM):
+        return model.engine.model_path
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(name, str) and Path(name).is_dir():
+        return Path(name)
+    raise TypeError(f"optimize_model: model must be a checkpoint directory, None (the embedded model) or a "
+                    f"transformers model loaded from a local directory; got {type(model).__name__}")
+
 
 def _is_ids(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)

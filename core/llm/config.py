@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dspark.quantization.config import QuantizationConfig
+
 SchedulerPolicy = Literal["fcfs_with_priority", "fcfs"]
 # Which running sequence gives its pages back when a step runs out of them:
 #   newest_first           the latest-arrived running sequence (vLLM's default; oldest work survives)
@@ -99,3 +101,7 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig = Field(
         default_factory=lambda: SpeculativeConfig(enabled=False), alias="speculative_decoding",
         description="speculative decoding; a dict of SpeculativeConfig fields, or true/false")
+    quantization: QuantizationConfig | None = Field(
+        None, alias="quantization_config", description="mixed-precision quantization at load (calibrates first): "
+        "a QuantizationConfig dict or a scheme name (int8, int4, int8_mixed, int4_mixed); None = as the checkpoint "
+        "is (an optimized directory from `dspark convert` carries its own plan)")

@@ -98,6 +98,9 @@ class LLMEngine:
                                           max_total_tokens=num_pages * cfg.page_size,
                                           decode_batch=min(cfg.max_batch_size, 8),
                                           prefill_chunk=min(cfg.max_num_batched_tokens, 128))
+        self.quant_plan: Any = None  # dspark.quantization.QuantPlan when the model runs quantized
+        self.quant_kernels: list[Any] = []  # who runs each quantized projection (KernelChoice)
+        self._quantize(cfg)
         if cfg.dense_offload != "off":
             from dspark.llm.placement import setup_dense_offload
 
@@ -116,6 +119,30 @@ class LLMEngine:
             from dspark.llm.speculative import SpecDecoder
 
             self.spec = SpecDecoder(self, cfg.speculative, plugin_host)
+
+    def _quantize(self, cfg: EngineConfig) -> None:
+        from dspark.quantization.convert import PLAN_FILE, is_optimized
+
+        qc = cfg.quantization
+        if is_optimized(self.model_path):
+            if qc is not None and qc.enabled:
+                raise ValueError(f"quantization: {self.model_path} is already an optimized directory (its plan is "
+                                 f"{PLAN_FILE}); quantize the original checkpoint instead")
+            from dspark.quantization.plan import QuantPlan
+
+            plan = QuantPlan.read(self.model_path / PLAN_FILE)
+        elif qc is not None and qc.enabled:
+            from dspark.quantization.sensitivity import build_plan
+
+            plan = build_plan(self.runner, self.model_path, qc)
+        else:
+            return
+        if cfg.dense_offload != "off":
+            raise ValueError("dense_offload and quantization cannot be combined: the offloaded MLP runs float weights")
+        from dspark.quantization.apply import apply_plan
+
+        self.quant_plan = plan
+        self.quant_kernels = apply_plan(self.runner, plan, speed_first=None if qc is None else qc.speed_first)
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -198,6 +198,12 @@ def load_checkpoint(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and weights, check every tensor's presence and shape, cast to ``dtype``."""
     root = Path(path)
+    if (root / "dspark_quant_plan.json").exists():  # an optimized directory (dspark convert)
+        from dspark.quantization.convert import read_weights
+
+        cfg, weights = read_weights(root, dtype)
+        check_shapes(cfg, weights, root)
+        return cfg, weights
     cfg = load_config(root)
     tdtype = resolve_dtype(dtype, cfg)
     want = expected_shapes(cfg)
@@ -219,3 +225,13 @@ def load_checkpoint(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{root}: tensor {missing[0]} is missing from the checkpoint{more}")
     return cfg, weights
+
+
+def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor], root: Path) -> None:
+    """Every tensor the config implies is present with its shape (extra ones, e.g. a tied head, may be)."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            raise CheckpointError(f"{root}: tensor {name} is missing from the checkpoint")
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{root}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                  f"config.json implies {shape}")

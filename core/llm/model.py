@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,23 @@ class _Layer:
     w_o: torch.Tensor
     w_gate_up_t: torch.Tensor  # [hidden, 2 * intermediate], transposed
     w_down: torch.Tensor
+    # Installed by quantization (dspark.quantization.apply): x -> x @ W through a plugin's
+    # compiled kernel. None = the float weight above runs.
+    f_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    f_o: Callable[[torch.Tensor], torch.Tensor] | None = None
+    f_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
+    f_down: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+# The projections quantization treats as units: (name suffix, _Layer weight, stored transposed?, kernel slot).
+# Names follow the checkpoint's, with the fused ones named like vLLM's (qkv_proj, gate_up_proj).
+PROJECTIONS: tuple[tuple[str, str, bool, str], ...] = (
+    ("self_attn.qkv_proj", "w_qkv_t", True, "f_qkv"),
+    ("self_attn.o_proj", "w_o", False, "f_o"),
+    ("mlp.gate_up_proj", "w_gate_up_t", True, "f_gate_up"),
+    ("mlp.down_proj", "w_down", False, "f_down"),
+)
+EMBED, HEAD = "model.embed_tokens", "lm_head"
 
 
 # Widening projections (out > in) are stored transposed and run as ``x @ w_t``:
@@ -57,7 +75,9 @@ class ModelRunner:
         self.dtype = dtype
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
-        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # A tied model's head is the embedding, unless the loader supplies it apart (an optimized
+        # directory whose embedding is int8 but whose lm_head stayed float).
+        head = weights["lm_head.weight"] if "lm_head.weight" in weights else self.embed
         self.lm_head_t = head.t().contiguous()  # [hidden, vocab]; a copy even when tied (see the note on _Layer)
         self.inv_freq = inv_frequencies(cfg)
         self.layers: list[_Layer] = []
@@ -82,6 +102,86 @@ class ModelRunner:
         self.layer_devices: list[torch.device] | None = None
         # Optional prefill MLP replacement: (layer index, normed h) -> MLP output or None (torch runs it).
         self.mlp_offload: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
+        self.f_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # quantized lm_head, when installed
+        self.embed_q: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 [vocab, hidden], scales [vocab, 1]
+
+    # -- projections as units (quantization) -------------------------------------------------
+
+    def linear_names(self) -> list[str]:
+        """Every projection, in forward order, then ``lm_head``."""
+        return [f"model.layers.{i}.{p[0]}" for i in range(len(self.layers)) for p in PROJECTIONS] + [HEAD]
+
+    def _slot(self, name: str) -> tuple[Any, str, bool, str]:
+        if name == HEAD:
+            return self, "lm_head_t", True, "f_head"
+        parts = name.split(".")
+        if len(parts) == 5 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+            li, suffix = int(parts[2]), ".".join(parts[3:])
+            for p in PROJECTIONS:
+                if p[0] == suffix and li < len(self.layers):
+                    return self.layers[li], p[1], p[2], p[3]
+        raise KeyError(f"{name!r} is not a projection of this model; projections: {self.linear_names()[:5]} ...")
+
+    def weight_t(self, name: str) -> torch.Tensor:
+        """A projection's float weight as [in, out] (so that y = x @ W), as stored or a transposed view."""
+        owner, attr, transposed, _ = self._slot(name)
+        w = getattr(owner, attr)
+        if w.numel() == 0:
+            raise ValueError(f"{name}: its float weight was dropped when a quantized kernel was installed")
+        return w if transposed else w.t()
+
+    def set_linear(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor] | None, *,
+                   drop_float: bool = False) -> None:
+        """Run ``name`` through ``fn`` (x[T, in] -> y[T, out]); optionally free its float weight."""
+        owner, attr, _, slot = self._slot(name)
+        setattr(owner, slot, fn)
+        if drop_float and fn is not None:
+            setattr(owner, attr, getattr(owner, attr).new_empty(0))
+
+    def linear_fn(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        owner, _, _, slot = self._slot(name)
+        return getattr(owner, slot)
+
+    def set_embedding_int8(self, q: torch.Tensor | None, scales: torch.Tensor | None) -> None:
+        """Look tokens up in an int8 table (per-row scales) instead of the float one, which is freed."""
+        if q is None or scales is None:
+            self.embed_q = None
+            return
+        self.embed_q = (q.to(self.embed.device), scales.to(self.embed.device, torch.float32))
+        self.embed = self.embed.new_empty(0)
+
+    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed_q is None:
+            return self.embed[tokens]
+        q, sc = self.embed_q
+        return (q[tokens].to(torch.float32) * sc[tokens]).to(self.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the runner holds, a tied lm_head's float copy counted once with the embedding."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: Any) -> None:
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+
+        for L in self.layers:
+            for name in ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down"):
+                add(getattr(L, name))
+        add(self.norm)
+        add(self.embed)
+        if self.embed_q is not None:
+            add(self.embed_q[0])
+            add(self.embed_q[1])
+        if not (self.cfg.tie_word_embeddings and self.f_head is None and self.embed_q is None):
+            add(self.lm_head_t)
+        for fn in [self.f_head] + [getattr(L, p[3]) for L in self.layers for p in PROJECTIONS]:
+            nbytes = getattr(fn, "weight_bytes", None)
+            if nbytes is not None:
+                total += int(nbytes)
+        return total
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
@@ -99,6 +199,8 @@ class ModelRunner:
                 if t is not None:
                     setattr(L, name, t.to(d))
         self.embed = self.embed.to(embed_device)
+        if self.embed_q is not None:
+            self.embed_q = (self.embed_q[0].to(embed_device), self.embed_q[1].to(embed_device))
         self.norm = self.norm.to(head_device)
         self.lm_head_t = self.lm_head_t.to(head_device)
         generic = any(d != torch.device("cpu") for d in devs + [torch.device(embed_device), torch.device(head_device)])
@@ -205,7 +307,7 @@ class ModelRunner:
             pre_plan.append((offsets[i], n, pages, mask))
 
         devs = self.layer_devices
-        x = self.embed[tokens if devs is None else tokens.to(self.embed.device)]
+        x = self._lookup(tokens if devs is None else tokens.to(self.embed.device))
         T = x.shape[0]
         for li, L in enumerate(self.layers if exit_layer is None else self.layers[:exit_layer]):
             if devs is not None and devs[li] != x.device:
@@ -215,7 +317,7 @@ class ModelRunner:
                 dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
                 pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
-            qkv = h @ L.w_qkv_t
+            qkv = h @ L.w_qkv_t if L.f_qkv is None else L.f_qkv(h)
             if L.b_qkv is not None:
                 qkv = qkv + L.b_qkv
             qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
@@ -248,13 +350,15 @@ class ModelRunner:
                 )
                 attn[off : off + n] = out[0].transpose(0, 1)
             assert attn is not None
-            x = x + F.linear(attn.reshape(T, H * D), L.w_o)
+            a = attn.reshape(T, H * D)
+            x = x + (F.linear(a, L.w_o) if L.f_o is None else L.f_o(a))
             h = self._rms(x, L.post_norm)
             mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and pre_plan else None
             if mlp is None:
-                gu = h @ L.w_gate_up_t
+                gu = h @ L.w_gate_up_t if L.f_gate_up is None else L.f_gate_up(h)
                 g, u = gu.chunk(2, dim=-1)
-                mlp = F.linear(F.silu(g) * u, L.w_down)
+                a = F.silu(g) * u
+                mlp = F.linear(a, L.w_down) if L.f_down is None else L.f_down(a)
             x = x + mlp
 
         for s, ch in zip(starts, chunks):
@@ -267,7 +371,8 @@ class ModelRunner:
         sel = torch.cat(rows)
         if devs is not None:
             x, sel = x.to(self.norm.device), sel.to(self.norm.device)
-        logits = (self._rms(x[sel], self.norm) @ self.lm_head_t).float()
+        hn = self._rms(x[sel], self.norm)
+        logits = (hn @ self.lm_head_t if self.f_head is None else self.f_head(hn)).float()
         if devs is not None:
             logits = logits.cpu()  # the sampler and its generators live on the host
         result, o = [], 0

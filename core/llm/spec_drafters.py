@@ -53,8 +53,17 @@ def find_draft_models(target: str | Path) -> list[Path]:
     ``dspark_draft_for: <target dir name>`` or named ``<target>-draft*``, and compatible."""
     root = Path(target).resolve()
     found = []
+    spec = root / "dspark_draft.json"  # an optimized directory (dspark convert) names its own draft
+    if spec.exists():
+        try:
+            rel = json.loads(spec.read_text()).get("draft_model")
+        except ValueError:
+            rel = None
+        if isinstance(rel, str) and rel not in ("none", "auto") and (root / rel / "config.json").exists():
+            if compatibility_problem(root, root / rel) is None:
+                found.append(root / rel)
     if not root.parent.is_dir():
-        return []
+        return found
     for d in sorted(root.parent.iterdir()):
         if d == root or not (d / "config.json").exists():
             continue
