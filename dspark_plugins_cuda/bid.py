@@ -1,5 +1,6 @@
 """dspark_bid: the subgraph timed on the GPU through dspark_compile (cached, :mod:`dspark.calibration`),
-else a roofline over the measured figures plus per-op kernel launch cost."""
+else a roofline over the measured figures plus per-op kernel launch cost. The plugin's own
+quantized variants are bid on in :mod:`dspark_plugins_cuda.quantize`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def peak_memory_bytes(subgraph: Subgraph) -> int:
 
 
 def bid(subgraph: Subgraph, device: Device) -> Bid | None:
+    if subgraph.quantized_by == "cuda":
+        from dspark_plugins_cuda.quantize import bid_variant
+
+        return bid_variant(subgraph, device)  # its own Triton-quantized variant
     if subgraph.quantized_by is not None:
         return None  # another plugin's quantized payload; this plugin has no such kernels
     if unsupported_ops(subgraph):

@@ -33,4 +33,7 @@ cat "$out/devices.txt"
 
 .venv/bin/pytest -q -rs tests/plugins/test_cuda.py 2>&1 | tee "$out/pytest.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# The Triton quantization kernels compiled on the GPU; -s prints their per-call timings.
+.venv/bin/pytest -q -rs -s tests/plugins/test_cuda_triton_quant.py 2>&1 | tee "$out/pytest_triton_quant.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
