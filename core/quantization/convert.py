@@ -276,7 +276,8 @@ def convert(model_path: str | Path, output_path: str | Path, *,
                     emb = sf.get_tensor("model.embed_tokens.weight")
             tensors["lm_head.weight"] = emb.clone().contiguous()
         tensors.update(_quantized_tensors(runner, plan))
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "dspark": FORMAT})
+        # One metadata key only: safetensors writes a map in hash order, so two keys would not be byte-stable.
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for f in sorted(src.iterdir()):
             if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_COPY:
                 shutil.copy2(f, tmp / f.name)
