@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dspark.llm.config import EngineConfig, PreemptionPolicy, SchedulerPolicy
+from dspark.quantization.config import QuantizationConfig
 
 SpecStrategy = Literal["deepspec", "deepspec_v2", "fixed", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -28,6 +29,9 @@ class ModelSection(_Section):
     path: str | None = Field(None, description="checkpoint directory; null or 'default' = the embedded model")
     name: str | None = Field(None, description="served model id; default: the checkpoint directory's name")
     dtype: Dtype = "auto"
+    quantization: QuantizationConfig | None = Field(
+        None, description="quantize at startup (calibrates first): a scheme name (int8, int4, int8_mixed, "
+        "int4_mixed) or QuantizationConfig fields; a directory from `dspark convert` needs none")
 
     @field_validator("path")
     @classmethod
@@ -130,6 +134,8 @@ class ServerConfig(_Section):
             kw["gpu_memory_utilization"] = self.resources.gpu_memory_utilization
         if "speculative" in EngineConfig.model_fields:
             kw["speculative"] = e.speculative_decoding.engine_dict()
+        if self.model.quantization is not None:
+            kw["quantization"] = self.model.quantization
         return EngineConfig(**kw)
 
 

@@ -59,6 +59,13 @@ def test_the_seeds_file_is_accepted_and_mapped(tmp_path: Path) -> None:
     assert (ec.max_batch_size, ec.max_model_len, ec.max_total_tokens) == (64, 32768, 200000)
 
 
+def test_model_quantization_reaches_the_engine(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "model:\n  quantization:\n    method: int4_mixed\n    group_size: 64\n"))
+    q = cfg.engine_config().quantization
+    assert q is not None and (q.scheme, q.group_size, q.budget) == ("int4_mixed", 64, 0.04)
+    assert load_config(None).engine_config().quantization is None
+
+
 def test_defaults_serve_the_embedded_model_on_loopback() -> None:
     cfg = load_config(None)
     assert (cfg.server.host, cfg.server.port, cfg.resources.metrics_port) == ("127.0.0.1", 8000, 9090)
@@ -92,6 +99,9 @@ def test_disabled_continuous_batching_runs_one_sequence() -> None:
     ("resources:\n  gpu_memory_utilization: 0\n", "resources.gpu_memory_utilization: Input should be greater than 0"),
     ("server:\n  port: 70000\n", "server.port: Input should be less than or equal to 65535"),
     ("engine:\n  max_batch_size: 4\n", "engine.max_batch_size: unknown field"),
+    ("model:\n  quantization: int9\n", "model.quantization.method: Value error, unknown quantization scheme 'int9'"),
+    ("model:\n  quantization:\n    method: int8\n    max_drop: -1\n",
+     "model.quantization.max_drop: Input should be greater than or equal to 0"),
     ("- just\n- a list\n", "expected a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
 ])
