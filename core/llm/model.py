@@ -172,7 +172,10 @@ class ModelRunner:
                 add(getattr(L, name))
         add(self.norm)
         add(self.embed)
-        if self.embed_q is not None:
+        # A tied model's int8 embedding and int8 head are the same integers (per-row scales = per-output-
+        # channel scales): one matrix, counted once like the float tied pair.
+        shared = self.cfg.tie_word_embeddings and getattr(self.f_head, "precision", None) == "int8"
+        if self.embed_q is not None and not shared:
             add(self.embed_q[0])
             add(self.embed_q[1])
         if not (self.cfg.tie_word_embeddings and self.f_head is None and self.embed_q is None):

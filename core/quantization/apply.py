@@ -51,10 +51,11 @@ class KernelChoice:
 class QuantizedLinear:
     """``x -> x @ W`` through a compiled executable; keeps the runner's dtype and device."""
 
-    def __init__(self, exe: Executable, weight_bytes: int, plugin: str) -> None:
+    def __init__(self, exe: Executable, weight_bytes: int, plugin: str, precision: str = "float") -> None:
         self.exe = exe
         self.weight_bytes = weight_bytes
         self.plugin = plugin
+        self.precision = precision
         self._torch = torch_runner(exe)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def _choose(host: PluginHost, inv: Inventory, runner: ModelRunner, lp: LayerPlan
     exe = compile_on(host, device, variant)
     choice.reason = f"{device.plugin} {spec.precision} bids {latency * 1e3:.3f} ms, the lowest"
     choice.runtime = getattr(variant, "quantized_by", device.plugin) or device.plugin
-    return choice, QuantizedLinear(exe, lp.weight_bytes(), device.plugin)
+    return choice, QuantizedLinear(exe, lp.weight_bytes(), device.plugin, spec.precision)
 
 
 def apply_plan(runner: ModelRunner, plan: QuantPlan, *, speed_first: bool | None = None,

@@ -59,6 +59,10 @@ class QuantizationConfig(BaseModel):
     outlier_threshold: float = Field(
         20.0, gt=1.0, description="a layer whose input's largest |activation| exceeds this many times the input's "
         "RMS keeps float activations (per-token int8 would crush the other channels)")
+    max_weight_ratio: float | None = Field(
+        None, gt=0.0, le=1.0, description="auto_mixed_precision: once the budget holds, keep moving layers up "
+        "(most sensitivity per added byte first) while the weights stay within this fraction of float32; "
+        "None = stop at the budget (smallest model)")
     target_device: str = Field("auto", description="where the quantized kernels run: auto, cpu, cuda:0 ...")
     prefer_speed: bool | None = Field(
         None, description="int8: a projection whose float kernel bids faster than every int8 kernel stays float "

@@ -128,6 +128,12 @@ def read_weights(root: Path, dtype: str | torch.dtype = "auto") -> tuple[ModelCo
         for lp in plan.layers:
             if lp.precision == "float":
                 continue
+            if lp.kind == "embedding" and plan.shares_tied_int8():
+                # Stored once as lm_head [hidden, vocab] with per-vocab scales: the same integers, transposed.
+                q = sf.get_tensor(f"{HEAD}.qweight").numpy().T
+                s = sf.get_tensor(f"{HEAD}.scales").numpy().T
+                weights["model.embed_tokens.weight"] = torch.from_numpy(q.astype(np.float32) * s).to(tdtype)
+                continue
             for part in ("qweight", "scales"):
                 if f"{lp.name}.{part}" not in names:
                     raise CheckpointError(f"{f.name}: tensor {lp.name}.{part} is missing but {PLAN_FILE} "
@@ -201,8 +207,8 @@ def _device_plan(runner: ModelRunner, devices: str) -> dict[str, Any]:
 def _quantized_tensors(runner: ModelRunner, plan: QuantPlan) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for lp in plan.layers:
-        if lp.precision == "float":
-            continue
+        if lp.precision == "float" or (lp.kind == "embedding" and plan.shares_tied_int8()):
+            continue  # a shared tied matrix is stored once, as lm_head
         if lp.kind == "embedding":
             from dspark.quantization.fake import quantize_rows_int8
 

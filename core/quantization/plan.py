@@ -73,8 +73,16 @@ class QuantPlan(BaseModel):
             out[lp.precision] = out.get(lp.precision, 0) + 1
         return out
 
+    def shares_tied_int8(self) -> bool:
+        """A tied model whose embedding and lm_head are both int8: one matrix, stored once (as NNCF does)."""
+        prec = {lp.name: lp.precision for lp in self.layers}
+        return self.tied_embeddings and prec.get("model.embed_tokens") == "int8" and prec.get("lm_head") == "int8"
+
     def weight_bytes(self, float_bytes: int = 4) -> int:
-        return sum(lp.weight_bytes(float_bytes) for lp in self.layers)
+        total = sum(lp.weight_bytes(float_bytes) for lp in self.layers)
+        if self.shares_tied_int8():
+            total -= self.layer("model.embed_tokens").weight_bytes(float_bytes)
+        return total
 
     def float_bytes(self, float_bytes: int = 4) -> int:
         """The float model's weight bytes (a tied embedding/head matrix counted once)."""

@@ -110,6 +110,52 @@ def _baseline(runner: ModelRunner, windows: list[list[int]]) -> tuple[float, int
     return nll, ntok, {n: float(torch.quantile(torch.cat(v), 0.99)) for n, v in stats.items()}
 
 
+def _layer_bytes(runner: ModelRunner, name: str, p: Precision, group: int) -> int:
+    shape = (runner.cfg.vocab_size, runner.cfg.hidden_size) if name == EMBED else tuple(runner.weight_t(name).shape)
+    lp = LayerPlan(name=name, kind="embedding" if name == EMBED else "linear", shape=shape, precision=p,
+                   group_size=group if p == "int4" else None)
+    return lp.weight_bytes(4)
+
+
+def _spend_size_budget(runner: ModelRunner, names: list[str], prec: dict[str, Precision],
+                       rungs: dict[str, list[Precision]], forced: dict[str, str], moved: dict[str, str],
+                       sensitivity: Callable[[str, Precision], float], cfg: QuantizationConfig) -> float:
+    """Move layers up while bytes allow, the most measured harm per added byte first."""
+    g = cfg.group_size
+    tied = runner.cfg.tie_word_embeddings
+    floats = sum(_layer_bytes(runner, n, "float", g) for n in names)
+    if tied:
+        floats -= _layer_bytes(runner, EMBED, "float", g)
+    limit = cfg.max_weight_ratio * floats if cfg.max_weight_ratio is not None else float(floats)
+    def size() -> int:
+        total = sum(_layer_bytes(runner, n, prec[n], g) for n in names)
+        if tied and prec.get(EMBED) == "int8" and prec.get(HEAD) == "int8":
+            total -= _layer_bytes(runner, EMBED, "int8", g)  # one shared matrix
+        return total
+
+    while True:
+        used = size()
+        best, best_gain = None, 0.0
+        for n in names:
+            if prec[n] == "float" or n in forced:
+                continue
+            up = rungs[n][rungs[n].index(prec[n]) + 1]
+            before = prec[n]
+            prec[n] = up
+            extra = size() - used
+            prec[n] = before
+            harm = sensitivity(n, prec[n])
+            gain = harm / max(extra, 1)
+            if harm > 0 and used + extra <= limit and gain > best_gain:
+                best, best_gain = n, gain
+        if best is None:
+            return 0.0
+        up = rungs[best][rungs[best].index(prec[best]) + 1]
+        moved[best] = (f"moved up from {prec[best]} with spare size: {100 * sensitivity(best, prec[best]):+.2f}% "
+                       f"alone, the most per added byte within {cfg.max_weight_ratio:g}x float32")
+        prec[best] = up
+
+
 def build_plan(runner: ModelRunner, model_path: str | Path, cfg: QuantizationConfig, *,
                progress: Progress | None = None, float_dtype: str = "float32") -> QuantPlan:
     """Measure and plan. ``runner`` must be float (no kernels installed); it is left as it was."""
@@ -187,6 +233,17 @@ def build_plan(runner: ModelRunner, model_path: str | Path, cfg: QuantizationCon
         prec[worst] = up
         drop = evaluate_mix()
         history.append(drop)
+    if (mixed and runner.cfg.tie_word_embeddings and prec[HEAD] == "int4" and prec[EMBED] == "int8"
+            and HEAD not in forced):
+        # One matrix serves both: int8 shared with the embedding is smaller than a separate int4 head.
+        prec[HEAD] = "int8"
+        moved[HEAD] = "int8, shared with the tied int8 embedding (smaller than a separate int4 copy)"
+        drop = evaluate_mix()
+        history.append(drop)
+    if mixed and cfg.max_weight_ratio is not None:
+        drop = _spend_size_budget(runner, names, prec, rungs, forced, moved, sensitivity, cfg)
+        history.append(drop)
+        drop = evaluate_mix()
     layers: list[LayerPlan] = []
     for n in names:
         p = prec[n]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark.llm.loader import CheckpointError
 from dspark.quantization.convert import (DEVICE_FILE, DRAFT_FILE, META_FILE, PLAN_FILE, WEIGHTS_FILE, ConvertError,
@@ -60,11 +61,20 @@ def test_convert_twice_is_byte_identical_and_loads(source: Path, tmp_path: Path)
         names = set(sf.keys())
         q = sf.get_tensor("model.layers.0.mlp.gate_up_proj.qweight")
     assert "model.layers.0.mlp.gate_proj.weight" not in names  # stored quantized, not float
+    # Tied model: the int8 head shares the int8 embedding's integers, stored once (as NNCF does).
+    assert plan.layer("lm_head").precision == "int8" and "shared" in plan.layer("lm_head").reason
+    assert "lm_head.qweight" in names and "model.embed_tokens.qweight" not in names
+    assert plan.weight_bytes() == sum(lp.weight_bytes() for lp in plan.layers if lp.kind == "linear")
     assert str(q.dtype) == "torch.uint8" and tuple(q.shape) == (32, 256)  # int4: two per byte along in=64
     assert (a / WEIGHTS_FILE).stat().st_size < 0.4 * sum(f.stat().st_size for f in source.glob("*.safetensors"))
 
     llm = LLM(str(a), dtype="float32", speculative_decoding={"strategy": "fixed", "draft_model": "auto"})
     assert llm.plan == plan
+    from dspark.quantization.fake import quantize_rows_int8
+    from dspark.llm.model import ModelRunner
+
+    want_q, want_s = quantize_rows_int8(ModelRunner.from_pretrained(str(source), "float32").embed)
+    assert torch.equal(llm.runner.embed_q[0], want_q) and torch.allclose(llm.runner.embed_q[1], want_s, rtol=1e-6)
     assert all(k.runs == plan.layer(k.name).precision for k in llm.kernels)
     drafters = {d.name for d in llm.engine.spec.drafters} if hasattr(llm.engine.spec, "drafters") else set()
     out = llm.generate("def f(x):", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))

@@ -201,3 +201,22 @@ def test_optimize_model_seed_example(checkpoint) -> None:
         optimize_model(str(checkpoint("llama")), quantization_config={"method": "int8", "target_device": "cuda:7"})
     with pytest.raises(TypeError, match="optimize_model: model must be"):
         optimize_model(42)
+
+
+def test_spare_size_goes_to_the_most_sensitive_layers(checkpoint) -> None:
+    path = checkpoint("llama")
+    runner = ModelRunner.from_pretrained(str(path), "float32")
+    base = build_plan(runner, path, QuantizationConfig(method="int4_mixed", max_drop=1.0, **TINY))
+    ratio = base.weight_bytes() / base.float_bytes() + 0.05
+    plan = build_plan(runner, path, QuantizationConfig(method="int4_mixed", max_drop=1.0, max_weight_ratio=ratio,
+                                                       **TINY))
+    spent = [lp for lp in plan.layers if "spare size" in lp.reason]
+    assert spent, plan.table()
+    assert base.weight_bytes() < plan.weight_bytes() <= ratio * plan.float_bytes()
+    # The first layer moved is the one with the most measured harm per added byte among the int4 ones.
+    def per_byte(lp):
+        up = lp.model_copy(update={"precision": "int8", "group_size": None})
+        return lp.sensitivity["int4"] / (up.weight_bytes() - lp.weight_bytes())
+    int4 = [lp for lp in base.layers if lp.precision == "int4" and lp.sensitivity.get("int4", 0) > 0]
+    best = max(int4, key=per_byte)
+    assert plan.layer(best.name).precision != "int4"
