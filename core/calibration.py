@@ -24,17 +24,37 @@ timings hold :data:`dspark.hostinfo.cpu_benchmark_lock`.
 ``DSPARK_CALIBRATE=0`` turns calibration off: bids are the pure roofline with
 the overheads the probe measured, for quick planning.
 
+Cold caches (opt-in per call site, ``flush_caches=True``): a tight timing loop
+keeps a small weight in L2/L3, which flatters the bigger (float) layout, while
+in an LLM decode step every layer's weights come from DRAM. With the option,
+each timed run on a CPU device follows a read of a buffer twice the size of the
+largest cache (:class:`CacheFlusher`, from all usable cores), so the weights are
+read from memory. A flush also evicts the runtime's own state (code, request
+objects), which a real decode loop keeps hot: measured here, that costs
+0.1-0.3 ms a call, as much as streaming a 1 MB weight. So a plugin passes a
+``cold_baseline``, the same kind of executable on a tiny weight
+(:func:`linear_baseline`, quantized like the subgraph): the bid is the
+baseline's warm time plus what the subgraph costs cold beyond the baseline
+cold, i.e. hot runtime, weights from DRAM. (Checked against timing a ring of
+distinct weight copies, which needs no flush but one compile per copy.)
+:func:`streams_weights` is the criterion plugins use, so that the float and
+quantized variants of a linear are timed alike. Cold timings are cached under
+their own key.
+
 A plugin uses :func:`estimate`, which returns the latency, the fixed
 overhead and the source to put in its :class:`~dspark.types.Bid`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -64,6 +84,11 @@ SUSPECT_FACTOR = 50.0
 RETRIES = 2
 RETRY_PAUSE_S = 0.1
 MAX_INPUT_BYTES = 256 * 1024 * 1024  # random inputs bigger than this are not generated
+# streams_weights(): weights smaller than this are timed warm: below it the runtime's own state,
+# evicted by a flush but hot in a real step, weighs more than the weight traffic.
+STREAMING_MIN_BYTES = 256 * 1024
+STREAMING_MAX_ROWS = 16  # above it a linear is compute-bound here (weights reused by every row)
+_WEIGHT_OPS = frozenset({"MatMul", "Gemm"})
 _CHAIN = 8  # ops in the chain the per-op dispatch cost is measured on
 
 Compile = Callable[[Subgraph], Executable | None]
@@ -127,11 +152,100 @@ def _device_key(device: Device, runtime_key: str) -> dict[str, Any]:
             "host": hostinfo.fingerprint()}
 
 
-def cache_key(subgraph: Subgraph, device: Device, runtime_key: str) -> dict[str, Any]:
-    """Everything a calibrated latency depends on (weight values are assumed not to matter)."""
+def cache_key(subgraph: Subgraph, device: Device, runtime_key: str, *, cold: bool | str = False) -> dict[str, Any]:
+    """Everything a calibrated latency depends on (weight values are assumed not to matter).
+    ``cold``: how caches were flushed (False: a warm loop)."""
     hints = subgraph.graph.dim_hints
     dims = {s: hints.get(s, 1) for s in sorted(_symbols(subgraph))}
-    return {"sig": subgraph.signature(), "dims": dims, **_device_key(device, runtime_key)}
+    key = {"sig": subgraph.signature(), "dims": dims, **_device_key(device, runtime_key)}
+    if cold:  # only then: warm keys stay what they were
+        key["cold"] = cold
+    return key
+
+
+# -- cold caches ------------------------------------------------------------------------------
+
+
+def streams_weights(subgraph: Subgraph) -> bool:
+    """True for a weight-bound linear: every op a MatMul/Gemm reading a constant 2-D weight, of
+    :data:`STREAMING_MIN_BYTES` at least in all (float size, so a quantized variant of the same
+    ops answers the same), for at most :data:`STREAMING_MAX_ROWS` rows (the dim hints'). Such
+    subgraphs are timed with cold caches by the plugins that opt in. With more rows the kernel is
+    compute-bound and a warm loop times it as well (measured: within noise at 128 rows)."""
+    ops = subgraph.ops
+    graph = subgraph.graph
+    inits = graph.initializers
+    if not ops or any(op.op_type not in _WEIGHT_OPS or len(op.inputs) < 2 or op.inputs[1] not in inits
+                      or inits[op.inputs[1]].ndim != 2 for op in ops):
+        return False
+    for op in ops:
+        spec = graph.tensors.get(op.inputs[0])
+        if spec is None:
+            return False
+        lead = spec.shape[1:] if op.op_type == "Gemm" and op.attrs.get("transA") else spec.shape[:-1]
+        rows = int(np.prod([d if isinstance(d, int) else int(graph.dim_hints.get(d, 1)) for d in lead]))
+        if rows > STREAMING_MAX_ROWS:
+            return False
+    return sum(int(inits[op.inputs[1]].nbytes) for op in ops) >= STREAMING_MIN_BYTES
+
+
+def linear_baseline(subgraph: Subgraph) -> Subgraph | None:
+    """A tiny float linear like ``subgraph`` (a one-op ``x @ W``), with the same rows, to pass as
+    ``cold_baseline`` once the plugin has quantized it like ``subgraph``; None for anything else."""
+    from dspark.quant import linear_subgraph
+
+    ops = subgraph.ops
+    if len(ops) != 1 or ops[0].op_type != "MatMul" or ops[0].inputs[1] not in subgraph.graph.initializers \
+            or subgraph.inputs != [ops[0].inputs[0]]:
+        return None
+    spec = subgraph.graph.tensors.get(ops[0].inputs[0])
+    if spec is None or len(spec.shape) != 2:
+        return None
+    rows = spec.shape[0]
+    hint = subgraph.graph.dim_hints.get(rows, 1) if isinstance(rows, str) else rows
+    # 256 x 64: two groups of 128 (group-wise kernels run their grouped path), 64 KB as float32.
+    w = (np.random.default_rng(0).standard_normal((256, 64)) / 16).astype(np.float32)
+    return linear_subgraph("cold_baseline", w, tokens=rows, representative_tokens=int(hint))
+
+
+@functools.lru_cache(maxsize=1)
+def largest_cache_bytes() -> int:
+    """The largest CPU cache (normally the L3), from sysfs; 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
+
+
+class CacheFlusher:
+    """Evicts the CPU caches by reading a buffer twice the largest cache, split across the usable
+    cores (each core's private L2 must be evicted too: a multi-threaded kernel reads its share of
+    the weights on every core). Reads, not writes: no dirty lines to write back during the timed
+    run. Numpy releases the GIL while summing, so the threads run in parallel."""
+
+    def __init__(self) -> None:
+        total = min(max(2 * largest_cache_bytes(), 16 << 20), 512 << 20)
+        cores = max(1, min(int(hostinfo.cpu_static()["usable_cores"] or 1), 16))
+        self.buffer = np.ones(total // 8, dtype=np.int64)
+        self._parts = np.array_split(self.buffer, cores)
+
+    def __call__(self) -> None:
+        if len(self._parts) == 1:
+            np.add.reduce(self._parts[0])
+            return
+        threads = [threading.Thread(target=np.add.reduce, args=(part,)) for part in self._parts[1:]]
+        for t in threads:
+            t.start()
+        np.add.reduce(self._parts[0])
+        for t in threads:
+            t.join()
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -220,34 +334,40 @@ def make_inputs(subgraph: Subgraph, seed: int = 0) -> dict[str, np.ndarray]:
 # -- timing -----------------------------------------------------------------------------------
 
 
-def _time_runs(exes: list[Executable], feeds: dict[str, np.ndarray], budget_s: float,
-               on_cpu: bool) -> tuple[list[float], int]:
+def _time_runs(exes: list[Executable], feeds: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+               budget_s: float, on_cpu: bool,
+               flush: Callable[[], None] | None = None) -> tuple[list[float], int]:
     """(median seconds per executable, rounds) of ``run(feeds)`` after a warm-up, within ``budget_s``.
 
     Several executables are run in turn, round by round, so that they share
-    whatever load the host is under while they are compared.
+    whatever load the host is under while they are compared; ``feeds`` is
+    one dict for all, or one per executable. ``flush`` (not timed) runs
+    before each timed run.
     """
+    runs = list(zip(exes, feeds if isinstance(feeds, list) else [feeds] * len(exes), strict=True))
     lock = hostinfo.cpu_benchmark_lock if on_cpu else None
     if lock is not None:
         lock.acquire()
     try:
         t0 = time.perf_counter()
-        for exe in exes:
-            exe.run(feeds)  # the first run allocates and primes caches
+        for exe, feed in runs:
+            exe.run(feed)  # the first run allocates and primes caches
         first = time.perf_counter() - t0
         if first >= budget_s:
             return [first / len(exes)] * len(exes), 1  # one run is all the budget allows
         if first * 4 < budget_s:
-            for exe in exes:
-                exe.run(feeds)
+            for exe, feed in runs:
+                exe.run(feed)
         samples: list[list[float]] = [[] for _ in exes]
         start = time.perf_counter()
         deadline = start + budget_s - first
         rounds = 0
         while True:
-            for exe, out in zip(exes, samples, strict=True):
+            for (exe, feed), out in zip(runs, samples, strict=True):
+                if flush is not None:
+                    flush()
                 t = time.perf_counter()
-                exe.run(feeds)
+                exe.run(feed)
                 out.append(time.perf_counter() - t)
             rounds += 1
             now = time.perf_counter()
@@ -310,7 +430,8 @@ def call_overhead(device: Device, *, runtime_key: str, compile: Compile,
 
 
 def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: Compile,
-              budget_s: float = DEFAULT_BUDGET_S, call_overhead_s: float | None = None) -> Calibration | None:
+              budget_s: float = DEFAULT_BUDGET_S, call_overhead_s: float | None = None,
+              flush_caches: bool = False, cold_baseline: Subgraph | None = None) -> Calibration | None:
     """Time ``subgraph`` compiled by ``compile`` on ``device``; None when it cannot be (or is not) timed.
 
     :param runtime_key: the runtime's name and version (e.g. ``openvino/CPU 2026.4.1``);
@@ -320,6 +441,11 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
     :param budget_s: seconds of timed runs at most (one run when a run takes longer).
     :param call_overhead_s: a call overhead the plugin already measured (its probe);
         when None it is measured with :func:`call_overhead`.
+    :param flush_caches: time each run with cold CPU caches (see the module notes);
+        ignored on devices other than the CPU.
+    :param cold_baseline: with ``flush_caches``, a tiny subgraph of the same kind
+        (:func:`linear_baseline`, quantized as ``subgraph`` is): timed in the same
+        rounds, cold and warm, to take the runtime's own cold-cache cost out.
 
     None when calibration is off (``DSPARK_CALIBRATE=0``), the roofline
     predicts more than :data:`MAX_ROOFLINE_S`, valid inputs cannot be
@@ -331,7 +457,11 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
     if call_overhead_s is None:
         overhead = call_overhead(device, runtime_key=runtime_key, compile=compile)
         call_overhead_s = overhead.call_s if overhead else 0.0
-    key = cache_key(subgraph, device, runtime_key)
+    cold = flush_caches and device.kind == "cpu"
+    if not cold:
+        cold_baseline = None
+    key = cache_key(subgraph, device, runtime_key,
+                    cold=("baseline-v1" if cold_baseline is not None else True) if cold else False)
     hit = cache.load(NAMESPACE, key)
     if hit is not None:
         if "latency_s" not in hit:
@@ -344,12 +474,18 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
     try:
         feeds = make_inputs(subgraph)
         exe = _compile(compile, subgraph)
-        (latency,), samples = _time_runs([exe], feeds, budget_s, device.kind == "cpu")
+        if cold:
+            latency, samples = _time_cold(exe, feeds, cold_baseline, compile, budget_s)
+        else:
+            (latency,), samples = _time_runs([exe], feeds, budget_s, device.kind == "cpu")
         for _ in range(RETRIES):
             if latency <= max(SUSPECT_FACTOR * predicted, 1e-3):
                 break
             time.sleep(RETRY_PAUSE_S)
-            (again,), n = _time_runs([exe], feeds, budget_s, device.kind == "cpu")
+            if cold:
+                again, n = _time_cold(exe, feeds, cold_baseline, compile, budget_s)
+            else:
+                (again,), n = _time_runs([exe], feeds, budget_s, device.kind == "cpu")
             if again < latency:
                 latency, samples = again, n
     except Exception as exc:  # CannotCalibrate, or the runtime failed on it
@@ -361,9 +497,28 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
     return Calibration(latency_s=latency, call_overhead_s=call_overhead_s, samples=samples)
 
 
+def _time_cold(exe: Executable, feeds: dict[str, np.ndarray], baseline: Subgraph | None, compile: Compile,
+               budget_s: float) -> tuple[float, int]:
+    """(seconds, samples): ``exe`` timed with cold caches, less the baseline's cold-cache overhead."""
+    flush = CacheFlusher()
+    t0 = time.perf_counter()
+    flush()
+    # A flush costs milliseconds: the budget is for timed runs, not for flushing.
+    budget = budget_s + MIN_SAMPLES * (time.perf_counter() - t0)
+    if baseline is None:
+        (latency,), samples = _time_runs([exe], feeds, budget, True, flush)
+        return latency, samples
+    base = _compile(compile, baseline)
+    base_feeds = make_inputs(baseline)
+    (latency, base_cold), samples = _time_runs([exe, base], [feeds, base_feeds], 2 * budget, True, flush)
+    (base_warm,), _ = _time_runs([base], base_feeds, budget_s / 4, True)
+    return base_warm + max(0.0, latency - base_cold), samples
+
+
 def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: Compile, dtype: str = "float32",
              op_overhead_s: float = DEFAULT_OP_OVERHEAD_S, call_overhead_s: float = 0.0,
-             measure_overheads: bool = True, budget_s: float = DEFAULT_BUDGET_S) -> Estimate:
+             measure_overheads: bool = True, budget_s: float = DEFAULT_BUDGET_S,
+             flush_caches: bool = False, cold_baseline: Subgraph | None = None) -> Estimate:
     """A plugin's bid figures for ``subgraph``: calibrated when possible, else the roofline.
 
     ``op_overhead_s`` and ``call_overhead_s`` are the plugin's own (probed or
@@ -372,7 +527,8 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
     ``compile``, when that works; a measured call overhead is then capped at
     the calibrated latency (both are measurements; the placer takes the
     median over a target's op bids). Without it, the plugin's figure stays
-    the fixed overhead and is a floor of the latency.
+    the fixed overhead and is a floor of the latency. ``flush_caches`` and
+    ``cold_baseline``: see :func:`calibrate` (the overheads are always timed warm).
     """
     measured = False
     if enabled() and measure_overheads:
@@ -380,9 +536,11 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
         if overhead is not None:
             call_overhead_s, op_overhead_s, measured = overhead.call_s, overhead.op_s, True
     cal = calibrate(subgraph, device, runtime_key=runtime_key, compile=compile, budget_s=budget_s,
-                    call_overhead_s=call_overhead_s)
+                    call_overhead_s=call_overhead_s, flush_caches=flush_caches, cold_baseline=cold_baseline)
     if cal is not None:
         note = f"median of {cal.samples} timed runs"
+        if flush_caches and device.kind == "cpu":
+            note += ", cold caches" + (" less a baseline's" if cold_baseline is not None else "")
         if measured:
             return Estimate(latency_s=cal.latency_s, fixed_overhead_s=min(call_overhead_s, cal.latency_s),
                             source="calibrated", note=note)

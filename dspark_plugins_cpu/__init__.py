@@ -12,9 +12,9 @@ from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, Executable, Unavailable
+    from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.0"
+DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
 
 
 @hookimpl
@@ -36,3 +36,10 @@ def dspark_compile(subgraph: Subgraph, device: Device) -> Executable | None:
     from dspark_plugins_cpu.executable import compile_subgraph
 
     return compile_subgraph(subgraph, device)
+
+
+@hookimpl
+def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
+    from dspark_plugins_cpu.quantize import quantize
+
+    return quantize(subgraph, device, spec)

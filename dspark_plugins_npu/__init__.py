@@ -7,7 +7,8 @@ devices`` stays fast.
 
 Modules: :mod:`.providers` (provider -> device table), :mod:`.session`
 (sessions that never fall back silently), :mod:`.bench` (cached
-microbenchmarks), :mod:`.probe`, :mod:`.bidding`, :mod:`.executable`.
+microbenchmarks), :mod:`.probe`, :mod:`.bidding`, :mod:`.executable`,
+:mod:`.quantize` (int8/int4 variants in ONNX Runtime's quantized formats).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, Unavailable
+    from dspark.types import Bid, Device, QuantSpec, Unavailable
     from dspark_plugins_npu.executable import OrtExecutable
 
 DSPARK_API_VERSION = "1.0"
@@ -46,3 +47,17 @@ def dspark_compile(subgraph: Subgraph, device: Device) -> OrtExecutable | None:
     if subgraph.quantized_by not in (None, PLUGIN_NAME) or "execution_provider" not in device.properties:
         return None
     return OrtExecutable(subgraph, device)
+
+
+@hookimpl
+def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
+    from dspark_plugins_npu import bidding
+    from dspark_plugins_npu.executable import ep_of
+    from dspark_plugins_npu.quantize import quantize
+
+    if "execution_provider" not in device.properties:
+        return None
+    ep, index = ep_of(device)
+    # A format counts only if a session on the EP really runs it (strictly off the CPU).
+    return quantize(subgraph, device, spec, PLUGIN_NAME,
+                    accepts=lambda variant: bidding.why_not(variant, ep, index) is None)

@@ -4,6 +4,16 @@ It can run any op on any torch device, so every op always has a bidder:
 ONNX ops are executed with torch kernels (:mod:`dspark.builtin.torch_ops`);
 the few that have none run through ``onnx.reference`` on the host. Its
 numbers are the reference every other plugin is checked against.
+
+Quantized variants (CPU only) run real int8/int4 kernels
+(:mod:`dspark.builtin.torch_quant`). On the CPU, the LLM's unit, a one-op
+linear ``x @ W`` (:func:`dspark.quant.linear_subgraph`), float or
+quantized, compiles to a lean :class:`LinearExecutable` with ``run_torch``:
+it sits in the decode loop, and its bid then times the kernel as the engine
+calls it rather than the op-by-op interpreter's overhead. Weight-bound
+linears, float or quantized, are bid with cold caches
+(:func:`dspark.calibration.streams_weights`), so the two compare as in a
+real decode step.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,10 +30,10 @@ from dspark import cache, calibration, hostinfo
 from dspark.builtin.op_names import TORCH_KERNEL_OPS
 from dspark.graph import Op, Subgraph
 from dspark.hookspecs import hookimpl
-from dspark.quant import dequantize, quantize_weight, quantizable_weights
+from dspark.quant import LINEAR_INPUT, LINEAR_OUTPUT, quantizable_weights, quantize_weight
 from dspark.types import Bid, Device, QuantSpec
 
-DSPARK_API_VERSION = "1.0"
+DSPARK_API_VERSION = "1.2"  # run_torch on LinearExecutable
 RUNTIME = "torch"
 _OP_OVERHEAD_S = 8e-6  # eager dispatch per op, before calibration
 
@@ -109,15 +120,34 @@ def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
         return None  # the onnx.reference fallback runs on the host only
     if subgraph.quantized_by not in (None, "torch"):
         return None
+    if subgraph.quantized_by and device.kind != "cpu":
+        return None  # the quantized kernels are CPU kernels
     precision = subgraph.quant_spec.precision if subgraph.quantized_by else "float32"
     # Timed through dspark_compile (cached); the roofline when it cannot be.
+    cold = calibration.streams_weights(subgraph)
     est = calibration.estimate(subgraph, device, runtime_key=f"{RUNTIME} {_torch_version()}",
-                               compile=lambda sg: dspark_compile(sg, device), op_overhead_s=_OP_OVERHEAD_S)
+                               compile=lambda sg: dspark_compile(sg, device), op_overhead_s=_OP_OVERHEAD_S,
+                               flush_caches=cold, cold_baseline=_cold_baseline(subgraph, device) if cold else None)
     latency = est.latency_s + 2e-4 * len(host_only)  # the numpy reference is slow; never prefer it
     notes = [est.note] + ([f"{len(host_only)} op(s) via onnx.reference"] if host_only else [])
     return Bid(device_id=device.id, runtime=RUNTIME, latency_s=latency, precision=precision,
-               peak_memory_bytes=subgraph.param_bytes + subgraph.io_bytes(),
+               peak_memory_bytes=_weight_bytes(subgraph) + subgraph.io_bytes(),
                fixed_overhead_s=est.fixed_overhead_s, source=est.source, note="; ".join(n for n in notes if n))
+
+
+def _cold_baseline(subgraph: Subgraph, device: Device) -> Subgraph | None:
+    """The tiny linear of the same kind (quantized the same way) that cold timings are corrected by."""
+    base = calibration.linear_baseline(subgraph)
+    if base is None or not subgraph.quantized_by:
+        return base
+    return dspark_quantize(base, device, subgraph.quant_spec)
+
+
+def _weight_bytes(subgraph: Subgraph) -> int:
+    """What the compiled subgraph holds: a quantized weight at its packed size."""
+    packed = subgraph.payload if subgraph.quantized_by == "torch" else {}
+    inits = subgraph.graph.initializers
+    return sum(int(packed[p].nbytes) if p in packed else int(inits[p].nbytes) for p in subgraph.params)
 
 
 class TorchExecutable:
@@ -132,17 +162,22 @@ class TorchExecutable:
         self.device = torch.device(device)
         self.inputs = list(subgraph.inputs)
         self.outputs = list(subgraph.outputs)
-        weights = dict(subgraph.graph.initializers)
-        if subgraph.quantized_by == "torch":
-            for name, q in subgraph.payload.items():
-                weights[name] = dequantize(q)
-        self.weights = {k: torch.from_numpy(np.array(weights[k])).to(self.device) for k in subgraph.params}
-        self.steps: list[tuple[Op, Any]] = []
+        packed = subgraph.payload if subgraph.quantized_by == "torch" else {}
+        steps: list[tuple[Op, Any]] = []
         for op in subgraph.ops:
-            if _supported(op):
-                self.steps.append((op, KERNELS[op.op_type]))
+            if _quantized_use(op, packed):
+                # The packed weight is the kernel's own: the step reads no float weight ("" is None).
+                unweighted = op.model_copy(update={"inputs": [op.inputs[0], "", *op.inputs[2:]]})
+                steps.append((unweighted, _quantized_kernel(op, packed[op.inputs[1]])))
+            elif _supported(op):
+                steps.append((op, KERNELS[op.op_type]))
             else:
-                self.steps.append((op, _reference_kernel(subgraph, op)))
+                steps.append((op, _reference_kernel(subgraph, op)))
+        # A quantized weight is held packed only, unless another op reads it as a float.
+        read = {t for op, _ in steps for t in op.inputs}
+        self.weights = {k: torch.from_numpy(np.array(subgraph.graph.initializers[k])).to(self.device)
+                        for k in subgraph.params if k in read}
+        self.steps = steps
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = self._evaluate(inputs)
@@ -168,6 +203,80 @@ class TorchExecutable:
         return env
 
 
+def _quantized_use(op: Op, packed: dict[str, Any]) -> bool:
+    """``op`` reads a packed weight as its right operand (what :func:`dspark.quant.quantizable_weights` picks)."""
+    return len(op.inputs) > 1 and op.inputs[1] in packed and (
+        op.op_type == "MatMul" or (op.op_type == "Gemm" and not op.attrs.get("transB")))
+
+
+def _quantized_kernel(op: Op, packed: Any) -> Any:
+    """A step computing MatMul / Gemm(transB=0) through the packed weight's int8/int4 kernel."""
+    from dspark.builtin import torch_quant
+
+    def run(attrs: dict[str, Any], args: list[Any]) -> list[Any]:
+        a = args[0]
+        if op.op_type == "MatMul":
+            return [torch_quant.apply(packed, a).to(a.dtype)]
+        if attrs.get("transA"):
+            a = a.T
+        y = torch_quant.apply(packed, a) * float(attrs.get("alpha", 1.0))
+        if len(args) > 2 and args[2] is not None:
+            y = y + float(attrs.get("beta", 1.0)) * args[2]
+        return [y.to(a.dtype)]
+
+    return run
+
+
+class LinearExecutable:
+    """One linear ``y = x @ W`` on the CPU (the LLM's unit), with as little per-call work as
+    possible: it sits in the decode loop, and its bid must time the kernel, not the op-by-op
+    interpreter. ``kernel`` is ``torch.matmul`` with the float weight (what the float path
+    computes) or a quantized kernel (:func:`dspark.builtin.torch_quant.apply`)."""
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self.inputs, self.outputs = [LINEAR_INPUT], [LINEAR_OUTPUT]
+
+    def run_torch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        x = inputs[LINEAR_INPUT]
+        if x.device.type != "cpu":
+            raise ValueError(f"input on {x.device}: this linear runs on the CPU")
+        return {LINEAR_OUTPUT: self._kernel(x)}
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        x = torch.from_numpy(np.ascontiguousarray(inputs[LINEAR_INPUT], dtype=np.float32))
+        with torch.inference_mode():
+            return {LINEAR_OUTPUT: self._kernel(x).numpy()}
+
+
+def _linear_executable(subgraph: Subgraph) -> LinearExecutable | None:
+    """A :class:`LinearExecutable` for the one-op float32 ``x @ W`` of
+    :func:`dspark.quant.linear_subgraph` (W packed or a float initializer); None for anything else."""
+    ops = subgraph.ops
+    if len(ops) != 1 or ops[0].op_type != "MatMul" or ops[0].inputs[0] != LINEAR_INPUT \
+            or subgraph.inputs != [LINEAR_INPUT] or subgraph.outputs != [LINEAR_OUTPUT]:
+        return None
+    tensors, weight = subgraph.graph.tensors, ops[0].inputs[1]
+    if any(t not in tensors or tensors[t].dtype != "float32" for t in (LINEAR_INPUT, LINEAR_OUTPUT)):
+        return None
+    if subgraph.quantized_by == "torch":
+        packed = (subgraph.payload or {}).get(weight)
+        if packed is None:
+            return None
+        from dspark.builtin import torch_quant
+
+        return LinearExecutable(partial(torch_quant.apply, packed))
+    w = subgraph.graph.initializers.get(weight)
+    if w is None or w.ndim != 2 or w.dtype != np.float32:
+        return None
+    import torch
+
+    w_t = torch.from_numpy(np.array(w))
+    return LinearExecutable(partial(torch.matmul, other=w_t))
+
+
 def _reference_kernel(subgraph: Subgraph, op: Op) -> Any:
     """An ``onnx.reference`` evaluator for one op that has no torch kernel."""
     from onnx.reference import ReferenceEvaluator
@@ -187,16 +296,24 @@ def _reference_kernel(subgraph: Subgraph, op: Op) -> Any:
 
 
 @hookimpl
-def dspark_compile(subgraph: Subgraph, device: Device) -> TorchExecutable | None:
+def dspark_compile(subgraph: Subgraph, device: Device) -> TorchExecutable | LinearExecutable | None:
     if subgraph.quantized_by not in (None, "torch"):
+        return None
+    if device.kind == "cpu" and (linear := _linear_executable(subgraph)) is not None:
+        return linear
+    if subgraph.quantized_by and device.kind != "cpu":
         return None
     return TorchExecutable(subgraph, device.id)
 
 
 @hookimpl
 def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
+    from dspark.builtin import torch_quant
+
+    if device.kind != "cpu" or torch_quant.unsupported_reason(spec) is not None:
+        return None  # CPU kernels only; no kernel for this spec
     names = quantizable_weights(subgraph)
-    if not names or spec.activations != "float":  # weight-only kernels here
+    if not names:
         return None
-    payload = {n: quantize_weight(subgraph.graph.initializers[n], spec) for n in names}
+    payload = {n: torch_quant.pack(quantize_weight(subgraph.graph.initializers[n], spec), spec) for n in names}
     return subgraph.model_copy(update={"quantized_by": "torch", "quant_spec": spec, "payload": payload})
