@@ -85,6 +85,54 @@ def _device_of(runner: ModelRunner, name: str) -> str:
     return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
 
 
+PREFILL_ROWS = 128  # representative prefill chunk for the second bid
+DECODE_MAX_ROWS = 16  # calls with more rows than this use the prefill kernel
+
+
+def _specs(lp: LayerPlan) -> list[QuantSpec]:
+    """Acceptable specs: the planned one, and for W8A8 also int8 weight-only (strictly more precise)."""
+    spec = spec_for(lp)
+    if spec.weight_bits == 8 and spec.activations == "dynamic_int8":
+        return [spec, spec.model_copy(update={"activations": "float"})]
+    return [spec]
+
+
+def _options(host: PluginHost, drivers: list[Device], sg: Any, lp: LayerPlan, with_float: bool,
+             bids: dict[str, float], tag: str) -> list[tuple[float, Device, Any, str]]:
+    options: list[tuple[float, Device, Any, str]] = []
+    for spec in _specs(lp):
+        for d in drivers:
+            variant = host.call(d.plugin, "dspark_quantize", subgraph=sg, device=d, spec=spec)
+            if variant is None:
+                continue
+            bid = host.call(d.plugin, "dspark_bid", subgraph=variant, device=d)
+            if bid is None or bid.precision != spec.precision:
+                continue
+            label = spec.precision + ("+a8" if spec.activations == "dynamic_int8" else "")
+            bids[f"{d.plugin} {label} {tag}"] = round(bid.latency_s * 1e3, 4)
+            options.append((bid.latency_s, d, variant, spec.precision))
+    if with_float:
+        for d in drivers:
+            bid = host.call(d.plugin, "dspark_bid", subgraph=sg, device=d)
+            if bid is not None and bid.precision in ("float32", "float16", "bfloat16"):
+                bids[f"{d.plugin} float {tag}"] = round(bid.latency_s * 1e3, 4)
+                options.append((bid.latency_s, d, None, "float"))
+    return options
+
+
+class _RowDispatch:
+    """Decode-sized calls to one kernel, prefill-sized ones to another (each the cheapest at its size)."""
+
+    def __init__(self, decode: QuantizedLinear, prefill: QuantizedLinear) -> None:
+        self.decode, self.prefill = decode, prefill
+        self.weight_bytes = decode.weight_bytes + prefill.weight_bytes
+        self.precision = decode.precision
+        self.plugin = f"{decode.plugin}/{prefill.plugin}"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.decode if x.shape[0] <= DECODE_MAX_ROWS else self.prefill)(x)
+
+
 def _choose(host: PluginHost, inv: Inventory, runner: ModelRunner, lp: LayerPlan,
             speed_first: bool) -> tuple[KernelChoice, Callable[[torch.Tensor], torch.Tensor] | None]:
     from dspark.bidding import compile_on
@@ -93,26 +141,10 @@ def _choose(host: PluginHost, inv: Inventory, runner: ModelRunner, lp: LayerPlan
     drivers = [d for d in inv.drivers() if d.id == dev_id]
     w_t = runner.weight_t(lp.name).detach().float().cpu().numpy()
     sg = linear_subgraph(lp.name, w_t, representative_tokens=1)
-    spec = spec_for(lp)
-    options: list[tuple[float, Device, Any, str]] = []
     bids: dict[str, float] = {}
-    for d in drivers:
-        variant = host.call(d.plugin, "dspark_quantize", subgraph=sg, device=d, spec=spec)
-        if variant is None:
-            continue
-        bid = host.call(d.plugin, "dspark_bid", subgraph=variant, device=d)
-        if bid is None or bid.precision != spec.precision:
-            continue
-        bids[f"{d.plugin} {spec.precision}"] = round(bid.latency_s * 1e3, 4)
-        options.append((bid.latency_s, d, variant, spec.precision))
-    if speed_first:
-        for d in drivers:
-            bid = host.call(d.plugin, "dspark_bid", subgraph=sg, device=d)
-            if bid is not None and bid.precision in ("float32", "float16", "bfloat16"):
-                bids[f"{d.plugin} float"] = round(bid.latency_s * 1e3, 4)
-                options.append((bid.latency_s, d, None, "float"))
+    options = _options(host, drivers, sg, lp, speed_first, bids, "@1")
     if not options:
-        why = f"no plugin offers a {spec.precision} kernel ({spec.granularity}) on {dev_id}; kept float"
+        why = f"no plugin offers a {lp.precision} kernel on {dev_id}; kept float"
         log.warning("quantization.no_kernel", layer=lp.name, reason=why)
         return KernelChoice(lp.name, lp.precision, "float", "torch", "torch", bids, why), None
     latency, device, variant, runs = min(options, key=lambda o: o[0])
@@ -120,15 +152,29 @@ def _choose(host: PluginHost, inv: Inventory, runner: ModelRunner, lp: LayerPlan
     if variant is None:
         best_q = min((o[0] for o in options if o[3] != "float"), default=None)
         choice.reason = (f"float on {device.plugin} bids {latency * 1e3:.3f} ms, faster than any "
-                         f"{spec.precision} kernel" + ("" if best_q is None else f" ({best_q * 1e3:.3f} ms)"))
+                         f"{lp.precision} kernel" + ("" if best_q is None else f" ({best_q * 1e3:.3f} ms)"))
         if device.plugin == "torch":
             return choice, None  # the runner's own float path is torch
-        exe = compile_on(host, device, sg)
-        return choice, QuantizedLinear(exe, int(w_t.nbytes), device.plugin)
-    exe = compile_on(host, device, variant)
-    choice.reason = f"{device.plugin} {spec.precision} bids {latency * 1e3:.3f} ms, the lowest"
-    choice.runtime = getattr(variant, "quantized_by", device.plugin) or device.plugin
-    return choice, QuantizedLinear(exe, lp.weight_bytes(), device.plugin, spec.precision)
+        return choice, QuantizedLinear(compile_on(host, device, sg), int(w_t.nbytes), device.plugin)
+    decode = QuantizedLinear(compile_on(host, device, variant), lp.weight_bytes(), device.plugin, runs)
+    choice.reason = f"{device.plugin} {runs} bids {latency * 1e3:.3f} ms at one row, the lowest"
+    if not speed_first:
+        return choice, decode  # int4: one kernel, one copy of the weights (the point is size)
+    # Prefill: the kernel that wins at one row can lose badly at a prefill chunk (bf16 compute
+    # without native bf16); a second quantized kernel costs one more int8 copy, still half of float.
+    sg_p = linear_subgraph(lp.name, w_t, representative_tokens=PREFILL_ROWS)
+    p_opts = _options(host, drivers, sg_p, lp, False, bids, f"@{PREFILL_ROWS}")
+    if not p_opts:
+        return choice, decode
+    p_lat, p_dev, p_var, _ = min(p_opts, key=lambda o: o[0])
+    same = (p_dev.plugin == device.plugin and p_var.quant_spec == variant.quant_spec)
+    mine = next((o[0] for o in p_opts if o[1].plugin == device.plugin and o[2].quant_spec == variant.quant_spec), None)
+    if same or (mine is not None and p_lat > 0.8 * mine):
+        return choice, decode  # not worth a second copy
+    prefill = QuantizedLinear(compile_on(host, p_dev, p_var), lp.weight_bytes(), p_dev.plugin, runs)
+    choice.plugin = f"{device.plugin}/{p_dev.plugin}"
+    choice.reason += f"; prefill (> {DECODE_MAX_ROWS} rows) on {p_dev.plugin}, {p_lat * 1e3:.3f} ms at {PREFILL_ROWS}"
+    return choice, _RowDispatch(decode, prefill)
 
 
 def apply_plan(runner: ModelRunner, plan: QuantPlan, *, speed_first: bool | None = None,

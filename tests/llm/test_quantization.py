@@ -192,7 +192,9 @@ def test_optimize_model_seed_example(checkpoint) -> None:
 
     m = optimize_model(str(checkpoint("llama")), quantization_config={
         "method": "auto_mixed_precision", "sensitive_layers": ["embed_tokens", "lm_head"], "target_device": "cpu",
-        **TINY}, speculative_decoding_config={"enabled": True, "draft_model": "none", "strategy": "deepspec"},
+        # prefer_speed off: on this tiny model float and int8 bid within noise of each other.
+        "prefer_speed": False, **TINY},
+        speculative_decoding_config={"enabled": True, "draft_model": "none", "strategy": "deepspec"},
         dtype="float32")
     assert m.plan.layer(HEAD).precision == "float" and m.plan.layer(EMBED).precision == "float"
     assert m.engine.spec is not None
