@@ -14,8 +14,12 @@ In one run, two models:
               (its perplexity means nothing), where weight traffic dominates
 
 Rows: dspark ``optimize_model(path, quantization_config={"method": M})`` for
-M = none (fp32), int8 (uniform), int8_mixed, int4 (uniform), int4_mixed,
-every other config key at its default (on the 90M model the mixed plans
+M = none (fp32), int8 (uniform: every layer int8, prefer_speed off), int8_mixed
+(speed first: float wherever int8 does not make decode faster), int4
+(uniform, g128), int4_mixed (the smallest plan within the budget), and the
+"same size" pair: uniform int4 with group 32 vs int4_mixed given that plan's
+size as ``max_weight_ratio`` (it spends the bytes on its most sensitive
+layers); every other config key at its default (on the 90M model the mixed plans
 calibrate on 2 windows, ``--large-calib``: its sensitivities are noise
 anyway, and planning costs a calibration forward per layer); OpenVINO fp32 (the peer's own
 baseline) and NNCF ``compress_weights`` int8 / int4 with NNCF's defaults
@@ -76,8 +80,8 @@ OUT = Path(__file__).resolve().parent / "out"
 # to its plan's size at run time): the "same size" comparison.
 OURS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("fp32", "none", {}), ("uniform int8", "int8", {"prefer_speed": False}), ("dspark mixed int8", "int8_mixed", {}),
-    ("uniform int4", "int4", {}), ("uniform int4 g32", "int4", {"group_size": 32}),
-    ("dspark int4-mixed", "int4_mixed", {}))
+    ("uniform int4", "int4", {}), ("dspark int4-mixed", "int4_mixed", {}),
+    ("uniform int4 g32", "int4", {"group_size": 32}), ("int4-mixed @g32 size", "int4_mixed", {}))
 PEERS = (("OpenVINO fp32", "fp32"), ("NNCF int8", "nncf-int8"), ("NNCF int4", "nncf-int4"))
 
 
@@ -196,7 +200,7 @@ def section(label: str, path: Path, *, with_ppl: bool, methods: set[str] | None,
         if methods is not None and method not in methods:
             continue
         cfg = {**extra, **((mixed_extra or {}) if "mixed" in method else {})}
-        if name == "dspark int4-mixed" and same_size is not None:
+        if name == "int4-mixed @g32 size" and same_size is not None:
             cfg["max_weight_ratio"] = same_size
         r = dspark_row(name, method, path, cfg)
         if name == "uniform int4 g32" and r.error is None:
@@ -288,7 +292,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                 None if d4 is None else d4 <= 1.04)
         b4 = ratio(model, "dspark int4-mixed", "fp32", "weight_bytes")
         add(f"int4-mixed: weight bytes vs fp32{tag}", b4, "<= 0.3x", None if b4 is None else b4 <= 0.3)
-    f, u, m = get("embedded", "fp32"), get("embedded", "uniform int4 g32"), get("embedded", "dspark int4-mixed")
+    f, u, m = get("embedded", "fp32"), get("embedded", "uniform int4 g32"), get("embedded", "int4-mixed @g32 size")
     if f and u and m:
         gap = u["perplexity"] - f["perplexity"]
         size = m["weight_bytes"] / u["weight_bytes"]
@@ -301,7 +305,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             closed = (u["perplexity"] - m["perplexity"]) / gap
             add("int4-mixed closes >= 1/2 of uniform int4's ppl gap", closed, ">= 0.5 at <= 1.05x the size",
                 closed >= 0.5 and size <= 1.05, note)
-    for ours, peer in (("dspark mixed int8", "NNCF int8"), ("dspark int4-mixed", "NNCF int4")):
+    for ours, peer in (("uniform int8", "NNCF int8"), ("dspark int4-mixed", "NNCF int4")):
         a, b = get("embedded", ours), get("embedded", peer)
         if a and b:
             pr, sr = a["perplexity"] / b["perplexity"], a["weight_bytes"] / b["weight_bytes"]

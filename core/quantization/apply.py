@@ -194,21 +194,72 @@ def apply_plan(runner: ModelRunner, plan: QuantPlan, *, speed_first: bool | None
     speed = plan.weight_bits == 8 if speed_first is None else speed_first
     todo = [lp for lp in plan.layers if lp.precision != "float"]
     choices: list[KernelChoice] = []
+    installed: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = []
+    embed = next((lp for lp in todo if lp.kind == "embedding"), None)
     for i, lp in enumerate(todo, 1):
-        if lp.kind == "embedding":
-            q, s = quantize_rows_int8(runner.embed)
-            runner.set_embedding_int8(q, s)
-            choices.append(KernelChoice(lp.name, "int8", "int8", "torch", "torch", {}, "int8 rows, gathered in torch"))
-        else:
+        if lp.kind != "embedding":
             choice, fn = _choose(host, inv, runner, lp, speed)
             if fn is not None:
-                runner.set_linear(lp.name, fn, drop_float=True)
+                runner.set_linear(lp.name, fn)  # float weight kept until the model-level check
+                installed.append((lp.name, fn))
             choices.append(choice)
         if progress is not None:
             progress(lp.name, i, len(todo))
+    if speed and installed:
+        q_ms, f_ms = decode_step_ms(runner, installed)
+        if q_ms >= 0.97 * f_ms:
+            # Per-layer bids time each kernel alone, with cold caches; the whole step is what counts.
+            why = f"model check: decode {q_ms:.2f} ms/token quantized vs {f_ms:.2f} float; kept float"
+            log.info("quantization.speed_check", quantized_ms=round(q_ms, 3), float_ms=round(f_ms, 3), kept="float")
+            for name, _ in installed:
+                runner.set_linear(name, None)
+            for c in choices:
+                c.runs, c.plugin, c.reason = "float", "torch", why
+            if embed is not None:
+                choices.append(KernelChoice(embed.name, "int8", "float", "torch", "torch", {}, why))
+            installed, embed = [], None
+        else:
+            log.info("quantization.speed_check", quantized_ms=round(q_ms, 3), float_ms=round(f_ms, 3), kept="quantized")
+    for name, fn in installed:
+        runner.set_linear(name, fn, drop_float=True)
+    if embed is not None:
+        q, sc = quantize_rows_int8(runner.embed)
+        runner.set_embedding_int8(q, sc)
+        choices.append(KernelChoice(embed.name, "int8", "int8", "torch", "torch", {}, "int8 rows, gathered in torch"))
     ran: dict[str, int] = {}
     for c in choices:
         key = f"{c.runs}@{c.plugin}"
         ran[key] = ran.get(key, 0) + 1
     log.info("quantization.applied", scheme=plan.scheme, kernels=ran, weight_mb=round(runner.weight_bytes() / 1e6, 2))
     return choices
+
+
+def decode_step_ms(runner: ModelRunner, installed: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]],
+                   steps: int = 16, rounds: int = 3) -> tuple[float, float]:
+    """Median ms per single-sequence decode step with the kernels installed, and with float weights."""
+    import statistics
+    import time
+
+    from dspark.llm.model import SeqChunk
+
+    cache = runner.make_cache(-(-(32 + steps * rounds * 2 + 2) // 16) + 1, 16)
+    prompt = [i % runner.cfg.vocab_size for i in range(3, 35)]
+    q_times: list[float] = []
+    f_times: list[float] = []
+    try:
+        for r in range(rounds):
+            for quantized, sink in ((True, q_times), (False, f_times)):
+                for name, fn in installed:
+                    runner.set_linear(name, fn if quantized else None)
+                sid = f"check-{r}-{quantized}"
+                runner.step(cache, [SeqChunk(sid, prompt)])
+                runner.step(cache, [SeqChunk(sid, [5])])  # warm
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    runner.step(cache, [SeqChunk(sid, [7])])
+                sink.append((time.perf_counter() - t0) * 1e3 / steps)
+                cache.free(sid)
+    finally:
+        for name, fn in installed:
+            runner.set_linear(name, fn)
+    return statistics.median(q_times), statistics.median(f_times)
