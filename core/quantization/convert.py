@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dspark.llm.loader import CheckpointError, ModelConfig, load_checkpoint, load_config, resolve_dtype
-from dspark.llm.model import EMBED, HEAD, PROJECTIONS, ModelRunner
+from dspark.llm.model import EMBED, HEAD, ModelRunner
 from dspark.log import get_logger
 from dspark.quant import QuantizedWeight, dequantize, quantize_weight
 from dspark.quantization.config import QuantizationConfig
@@ -84,13 +84,12 @@ def source_hash(root: Path) -> str:
 
 def _parts(cfg: ModelConfig, suffix: str) -> list[tuple[str, int]]:
     """The checkpoint tensors a fused projection stacks, with their output widths."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    d = cfg.head_dim
     if suffix == "self_attn.qkv_proj":
         return [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
                 ("self_attn.v_proj", cfg.num_key_value_heads * d)]
     if suffix == "mlp.gate_up_proj":
         return [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
-    del h
     return [(suffix, -1)]
 
 

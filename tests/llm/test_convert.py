@@ -76,10 +76,11 @@ def test_convert_twice_is_byte_identical_and_loads(source: Path, tmp_path: Path)
     want_q, want_s = quantize_rows_int8(ModelRunner.from_pretrained(str(source), "float32").embed)
     assert torch.equal(llm.runner.embed_q[0], want_q) and torch.allclose(llm.runner.embed_q[1], want_s, rtol=1e-6)
     assert all(k.runs == plan.layer(k.name).precision for k in llm.kernels)
-    drafters = {d.name for d in llm.engine.spec.drafters} if hasattr(llm.engine.spec, "drafters") else set()
+    # draft_model auto found the draft copied into the optimized directory (fixed prefers the model drafter).
+    assert llm.engine.spec.fixed is not None and llm.engine.spec.fixed.kind == "model"
+    assert "draft" in llm.engine.spec.fixed.name
     out = llm.generate("def f(x):", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 6
-    del drafters
     with pytest.raises(ValueError, match="already an optimized directory"):
         LLM(str(a), dtype="float32", quantization="int8")
     with pytest.raises(ConvertError, match="already an optimized directory"):
