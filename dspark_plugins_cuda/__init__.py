@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dspark.graph import Subgraph
     from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.0"
+DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
 
 
 @hookimpl

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from dspark.types import Bid, Device, QuantSpec, Unavailable
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.0"
+DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
 PLUGIN_NAME = "npu"
 
 
