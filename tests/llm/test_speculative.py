@@ -183,9 +183,17 @@ def test_embedded_model_greedy_identity_and_real_acceptance() -> None:
     assert {"model", "self", "ngram"} <= kinds, s.spec_drafters
     diag = (llm.engine.spec.calibration, llm.engine.spec.verify_cost.theta, s.spec_drafts, s.spec_explore_steps,
             s.spec_drafter_failures, {k: (v["drafts"], v["disabled"]) for k, v in s.spec_drafters.items()})
-    assert s.spec_accepted_tokens > 20 and s.spec_calibration_error is not None, diag
+    # How much DeepSpec drafts depends on measured costs (a loaded CI box can make drafting look
+    # unprofitable), so here it only has to have tried; real acceptance is checked below without timings.
+    assert s.spec_drafts >= 1 and s.spec_drafter_failures == 0, diag
     assert llm.engine.cache.all_free()
     assert llm.engine.spec.calibration["self_exit_layer"]["chosen"] in (1, 2, 3)
+    fixed = LLM(dtype="float32", speculative_decoding={"strategy": "fixed", "drafters": ["ngram"],
+                                                       "num_speculative_tokens": 4})
+    assert [o.token_ids for o in fixed.generate(prompts, params)] == [o.token_ids for o in ref]
+    fs = fixed.stats()
+    assert fs.spec_accepted_tokens > 20 and fs.spec_calibration_error is not None, fs.spec_drafters
+    assert fixed.engine.cache.all_free()
 
 
 def test_exit_layer_is_chosen_by_measured_agreement_and_cost(spec_llm: Callable[..., LLM],
