@@ -144,11 +144,8 @@ def _int8_mm(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_size,  # type: i
     n_ok = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # (BLOCK_K, BLOCK_N) of W^T (N, K)
-    if A8:
-        if ONE_GROUP:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |q x q| sums fit in int32
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A8 and ONE_GROUP:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)  # exact: |q x q| sums fit in int32
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -37,6 +37,7 @@ from dspark.llm.loader import CheckpointError, ModelConfig, load_checkpoint, loa
 from dspark.llm.model import EMBED, HEAD, ModelRunner
 from dspark.log import get_logger
 from dspark.quant import QuantizedWeight, dequantize, quantize_weight
+from dspark.quantization.apply import spec_for
 from dspark.quantization.config import QuantizationConfig
 from dspark.quantization.plan import QuantPlan
 
@@ -82,30 +83,19 @@ def source_hash(root: Path) -> str:
 # -- projections <-> checkpoint tensors ----------------------------------------------------------
 
 
-def _parts(cfg: ModelConfig, suffix: str) -> list[tuple[str, int]]:
-    """The checkpoint tensors a fused projection stacks, with their output widths."""
-    d = cfg.head_dim
-    if suffix == "self_attn.qkv_proj":
-        return [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
-                ("self_attn.v_proj", cfg.num_key_value_heads * d)]
-    if suffix == "mlp.gate_up_proj":
-        return [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
-    return [(suffix, -1)]
-
-
-def _source_names(cfg: ModelConfig, name: str) -> list[str]:
-    if name == HEAD:
-        return ["lm_head.weight"]
-    if name == EMBED:
-        return ["model.embed_tokens.weight"]
+def _source_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int | None]]:
+    """The checkpoint tensors a layer stacks, with their output widths (None: the whole layer)."""
+    if name in (HEAD, EMBED):
+        return [(f"{name}.weight", None)]
     prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
-    return [f"{prefix}.{p}.weight" for p, _ in _parts(cfg, suffix)]
-
-
-def _qspec(lp: Any) -> Any:
-    from dspark.quantization.apply import spec_for
-
-    return spec_for(lp)
+    d = cfg.head_dim
+    parts: list[tuple[str, int | None]] = [(suffix, None)]
+    if suffix == "self_attn.qkv_proj":
+        parts = [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
+                 ("self_attn.v_proj", cfg.num_key_value_heads * d)]
+    elif suffix == "mlp.gate_up_proj":
+        parts = [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
+    return [(f"{prefix}.{p}.weight", w) for p, w in parts]
 
 
 def read_weights(root: Path, dtype: str | torch.dtype = "auto") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -147,10 +137,8 @@ def read_weights(root: Path, dtype: str | torch.dtype = "auto") -> tuple[ModelCo
             qw = QuantizedWeight(data=q, scales=s, bits=bits, group_size=lp.group_size or k, shape=(k, n))
             w = torch.from_numpy(dequantize(qw)).t()  # [out, in], as checkpoints store it
             off = 0
-            suffix = ".".join(lp.name.rsplit(".", 2)[1:]) if lp.name != HEAD else HEAD
-            parts = _parts(cfg, suffix) if lp.name != HEAD else [(HEAD, n)]
-            for src, (_, width) in zip(_source_names(cfg, lp.name), parts):
-                width = n if width < 0 else width
+            for src, width in _source_parts(cfg, lp.name):
+                width = n if width is None else width
                 weights[src] = w[off : off + width].contiguous().to(tdtype)
                 off += width
     return cfg, weights
@@ -213,7 +201,7 @@ def _quantized_tensors(runner: ModelRunner, plan: QuantPlan) -> dict[str, torch.
 
             q, s = quantize_rows_int8(runner.embed)
         else:
-            qw = quantize_weight(runner.weight_t(lp.name).detach().float().numpy(), _qspec(lp))
+            qw = quantize_weight(runner.weight_t(lp.name).detach().float().numpy(), spec_for(lp))
             q, s = torch.from_numpy(np.ascontiguousarray(qw.data)), torch.from_numpy(np.ascontiguousarray(qw.scales))
         out[f"{lp.name}.qweight"], out[f"{lp.name}.scales"] = q.contiguous(), s.contiguous()
     return out
@@ -264,22 +252,17 @@ def convert(model_path: str | Path, output_path: str | Path, *,
                 LayerPlan(name=n, kind="linear", shape=tuple(runner.weight_t(n).shape), precision="float",
                           reason="scheme none") for n in runner.linear_names()])
         quantized = {lp.name for lp in plan.layers if lp.precision != "float"}
-        drop: set[str] = set()
-        for n in quantized:
-            drop.update(_source_names(cfg, n))
+        drop = {t for n in quantized for t, _ in _source_parts(cfg, n)}
         tensors: dict[str, torch.Tensor] = {}
+        float_head = cfg.tie_word_embeddings and EMBED in quantized and HEAD not in quantized
         for f in sorted(p for p in src.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name == f"{EMBED}.weight" and float_head:
+                        # The head stays float while the embedding goes int8: store the float head apart.
+                        tensors[f"{HEAD}.weight"] = sf.get_tensor(name).contiguous()
                     if name not in drop:
                         tensors[name] = sf.get_tensor(name).contiguous()
-        if cfg.tie_word_embeddings and EMBED in quantized and HEAD not in quantized:
-            # The head stays float while the embedding goes int8: store the float head apart.
-            emb = tensors.get("model.embed_tokens.weight")
-            if emb is None:
-                with safe_open(str(next(src.glob("*.safetensors"))), framework="pt") as sf:
-                    emb = sf.get_tensor("model.embed_tokens.weight")
-            tensors["lm_head.weight"] = emb.clone().contiguous()
         tensors.update(_quantized_tensors(runner, plan))
         # One metadata key only: safetensors writes a map in hash order, so two keys would not be byte-stable.
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

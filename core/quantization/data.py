@@ -9,10 +9,11 @@ come from exactly the files in ``heldout_files.txt`` next to the model.
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from pathlib import Path
 from typing import Any
+
+from dspark.jsonl import iter_objects
 
 
 class CalibrationDataError(ValueError):
@@ -25,23 +26,11 @@ def load_jsonl(path: str | Path) -> list[str]:
     if not p.is_file():
         raise CalibrationDataError(f"{p}: calibration data file does not exist")
     texts: list[str] = []
-    with p.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise CalibrationDataError(f"{p}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from e
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CalibrationDataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                got = type(obj).__name__ if not isinstance(obj, dict) else f"keys {sorted(obj)}"
-                raise CalibrationDataError(f"{p}:{n}: expected an object with a \"text\" string, got {got}")
-            if obj["text"]:
-                texts.append(obj["text"])
+    for n, obj in iter_objects(p, CalibrationDataError):
+        if not isinstance(obj.get("text"), str):
+            raise CalibrationDataError(f"{p}:{n}: expected an object with a \"text\" string, got keys {sorted(obj)}")
+        if obj["text"]:
+            texts.append(obj["text"])
     if not texts:
         raise CalibrationDataError(f"{p}: no calibration texts (every line empty)")
     return texts

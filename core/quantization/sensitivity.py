@@ -48,8 +48,7 @@ def matches(name: str, patterns: list[str]) -> str | None:
 def check_patterns(runner: ModelRunner, patterns: list[str]) -> None:
     names = runner.linear_names() + [EMBED]
     for p in patterns:
-        if matches_any := [n for n in names if matches(n, [p])]:
-            del matches_any
+        if any(matches(n, [p]) for n in names):
             continue
         raise ValueError(f"quantization_config.sensitive_layers: {p!r} matches no layer of this model "
                          f"(layers look like {names[0]!r}, {HEAD!r}, {EMBED!r})")
@@ -119,7 +118,7 @@ def _layer_bytes(runner: ModelRunner, name: str, p: Precision, group: int) -> in
 
 def _spend_size_budget(runner: ModelRunner, names: list[str], prec: dict[str, Precision],
                        rungs: dict[str, list[Precision]], forced: dict[str, str], moved: dict[str, str],
-                       sensitivity: Callable[[str, Precision], float], cfg: QuantizationConfig) -> float:
+                       sensitivity: Callable[[str, Precision], float], cfg: QuantizationConfig) -> None:
     """Move layers up while bytes allow, the most measured harm per added byte first."""
     g = cfg.group_size
     tied = runner.cfg.tie_word_embeddings
@@ -149,7 +148,7 @@ def _spend_size_budget(runner: ModelRunner, names: list[str], prec: dict[str, Pr
             if harm > 0 and used + extra <= limit and gain > best_gain:
                 best, best_gain = n, gain
         if best is None:
-            return 0.0
+            return
         up = rungs[best][rungs[best].index(prec[best]) + 1]
         moved[best] = (f"moved up from {prec[best]} with spare size: {100 * sensitivity(best, prec[best]):+.2f}% "
                        f"alone, the most per added byte within {cfg.max_weight_ratio:g}x float32")
@@ -241,9 +240,9 @@ def build_plan(runner: ModelRunner, model_path: str | Path, cfg: QuantizationCon
         drop = evaluate_mix()
         history.append(drop)
     if mixed and cfg.max_weight_ratio is not None:
-        drop = _spend_size_budget(runner, names, prec, rungs, forced, moved, sensitivity, cfg)
-        history.append(drop)
+        _spend_size_budget(runner, names, prec, rungs, forced, moved, sensitivity, cfg)
         drop = evaluate_mix()
+        history.append(drop)
     layers: list[LayerPlan] = []
     for n in names:
         p = prec[n]

@@ -43,14 +43,10 @@ class BenchRequest:
 def load_dataset(path: Path) -> list[BenchRequest]:
     """JSONL, one ``{"prompt": str, "max_tokens": int}`` per line; blank lines ignored."""
     reqs: list[BenchRequest] = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+    from dspark.jsonl import iter_objects
+
+    for n, obj in iter_objects(path):
+        if not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
         mt = obj.get("max_tokens", 16)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
