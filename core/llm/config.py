@@ -51,6 +51,9 @@ class SpeculativeConfig(BaseModel):
         "early-exit layers the model was trained with and the lower half of its layers; or a layer count >= 1")
     drafters: list[str] | None = Field(
         None, description="drafters to use, by name or kind (model, self, ngram, other); None = every offer")
+    drafter_timeout_s: float = Field(
+        2.0, gt=0, description="a third-party drafter's call (propose, commit, release) that takes longer is "
+        "abandoned and the drafter disabled, decoding going on without it; built-in drafters run inline")
 
     @model_validator(mode="before")
     @classmethod
@@ -95,6 +98,10 @@ class EngineConfig(BaseModel):
     devices: str | None = Field(
         None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
         "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")
+    packed_linear: Literal["auto", "on", "off"] = Field(
+        "auto", description="oneDNN-packed copies of the float projections for steps of more than one row "
+        "(batched decode, verification, prefill), one row staying on the plain weight: 'auto' = when the "
+        "layers run float32 on the CPU and the copy is under a quarter of the available memory")
     dense_offload: str = Field(
         "off", description="prefill MLP through another plugin's compiled executable: 'off', 'auto' (when its "
         "bid beats torch's by a margin) or a plugin name to force it")

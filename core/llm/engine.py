@@ -107,6 +107,9 @@ class LLMEngine:
             devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
             self.dense_offload, self.dense_offload_decision = setup_dense_offload(
                 self.runner, cfg.dense_offload, layer_devices=devs)
+        from dspark.llm.packed_linear import pack_runner
+
+        self.packed_linear = pack_runner(self.runner, cfg.packed_linear)  # after quantization: float ones only
         self.cache = self.runner.make_cache(num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer = _load_tokenizer(Path(model))
@@ -222,14 +225,18 @@ class LLMEngine:
         chunks = [SeqChunk(p.seq.request_id, p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.num_tokens])
                   for p in planned]
         logits = self.runner.step(self.cache, chunks)
+        # Greedy rows take one batched argmax (the same pick as sample() makes row by row).
+        greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy]
+        picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist())) \
+            if len(greedy) > 1 else {}
         outputs = []
-        for p, lg in zip(planned, logits):
+        for i, (p, lg) in enumerate(zip(planned, logits)):
             seq = p.seq
             completes = p.completes
             seq.num_computed += p.num_tokens
             if not completes:
                 continue  # mid-prompt chunk: nothing to sample yet
-            tok = sample(lg, seq.params, seq.generator or self._default_gen)
+            tok = picks[i] if i in picks else sample(lg, seq.params, seq.generator or self._default_gen)
             seq.output_ids.append(tok)
             self._check_stop(seq, tok)
             outputs.append(self._output(seq))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dspark.llm import packed_linear
 from dspark.llm.kv_cache import PagedKVCache
 from dspark.llm.loader import ModelConfig, load_checkpoint, resolve_dtype
 from dspark.llm.rope import apply_rope, cos_sin, inv_frequencies
@@ -46,9 +47,15 @@ class _Layer:
     f_o: Callable[[torch.Tensor], torch.Tensor] | None = None
     f_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
     f_down: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # oneDNN-packed copies for steps of more than one row (dspark.llm.packed_linear); None = not packed.
+    p_qkv: torch.Tensor | None = None
+    p_o: torch.Tensor | None = None
+    p_gate_up: torch.Tensor | None = None
+    p_down: torch.Tensor | None = None
 
 
 # The projections quantization treats as units: (name suffix, _Layer weight, stored transposed?, kernel slot).
+# A kernel slot "f_x" has a packed-copy slot "p_x".
 # Names follow the checkpoint's, with the fused ones named like vLLM's (qkv_proj, gate_up_proj).
 PROJECTIONS: tuple[tuple[str, str, bool, str], ...] = (
     ("self_attn.qkv_proj", "w_qkv_t", True, "f_qkv"),
@@ -65,8 +72,81 @@ EMBED, HEAD = "model.embed_tokens", "lm_head"
 # slower for prefill-sized batches. Narrowing ones (o, down) are faster as F.linear.
 
 
+def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """A float projection: one row through the plain weight (GEMV), more through the packed copy."""
+    if packed is not None and x.shape[0] > 1:
+        return packed_linear.linear(x, packed)
+    return x @ w if transposed else F.linear(x, w)
+
+
 # A decode SDPA call's fixed cost, in padded-token equivalents, for grouping rows by length.
 _GROUP_COST = 64
+# Chunks of at most this many tokens go to the paged kernel (decode, verification); longer ones
+# to SDPA, whose blocked matmuls are faster for many queries at once.
+_KERNEL_MAX_CHUNK = 16
+
+
+def _decode_groups(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
+                   dec: list[int]) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]]:
+    """The torch path's decode attention plan: (q rows, key length, K/V slots, mask) per SDPA group."""
+    # Decode rows are grouped by length (sorted, then cut where padding a row up to its
+    # group's longest costs more than another SDPA call); each group gathers only its
+    # own tokens' K/V slots with one index_select per layer, the slot indices built once
+    # per step. Rows shorter than their group's longest mask their tail.
+    dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
+    if dec:
+        ps = cache.page_size
+        lens = [starts[i] + 1 for i in dec]
+        order = sorted(range(len(dec)), key=lambda r: lens[r])
+        sl = [lens[r] for r in order]
+        # cost[j] = cheapest split of sorted rows [0, j); a group [i, j) costs one call
+        # (worth _GROUP_COST tokens) plus (j - i) rows padded to sl[j - 1].
+        n = len(sl)
+        cost = [0] + [0] * n
+        cut = [0] * (n + 1)
+        for j in range(1, n + 1):
+            best, bi = _GROUP_COST + j * sl[j - 1], 0
+            for i in range(1, j):
+                c_ = cost[i] + _GROUP_COST + (j - i) * sl[j - 1]
+                if c_ < best:
+                    best, bi = c_, i
+            cost[j], cut[j] = best, bi
+        bounds, j = [], n
+        while j > 0:
+            bounds.append((cut[j], j))
+            j = cut[j]
+        for a, b in reversed(bounds):
+            members = sorted(order[a:b])  # row order within a group is free; keep step order
+            glen = sl[b - 1]
+            width = cache.pages_for(glen)
+            pages = torch.zeros(len(members), width, dtype=torch.long)
+            for r, m in enumerate(members):
+                table = cache.block_tables[chunks[dec[m]].seq_id][:width]
+                pages[r, : len(table)] = torch.tensor(table)
+            slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
+            mask = None
+            if sl[a] != glen:
+                mlens = torch.tensor([lens[m] for m in members])
+                mask = (torch.arange(glen)[None, :] < mlens[:, None])[:, None, None, :]
+            rows = torch.tensor([offsets[dec[m]] for m in members], dtype=torch.long)
+            dec_plan.append((rows, glen, slots, mask))
+    return dec_plan
+
+
+def _kernel_plan(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
+                 short: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paged kernel's plan: block tables [S, W], and per row of the step its table row and
+    visible length (causal within a chunk; 0 = a row another path runs)."""
+    T = offsets[-1] + len(chunks[-1].token_ids)
+    tabs = [cache.block_tables[chunks[i].seq_id] for i in short]
+    W = max(len(t) for t in tabs)
+    row_seq, row_len = [0] * T, [0] * T
+    for r, i in enumerate(short):
+        off, s = offsets[i], starts[i]
+        for j in range(len(chunks[i].token_ids)):
+            row_seq[off + j], row_len[off + j] = r, s + j + 1
+    tables = torch.tensor([t + [0] * (W - len(t)) for t in tabs], dtype=torch.int32)
+    return tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
 
 
 class ModelRunner:
@@ -104,6 +184,10 @@ class ModelRunner:
         self.mlp_offload: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
         self.f_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # quantized lm_head, when installed
         self.embed_q: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 [vocab, hidden], scales [vocab, 1]
+        self.p_head: torch.Tensor | None = None  # oneDNN-packed lm_head for more than one row
+        # "auto": the paged C kernel for short chunks where it builds and fits (dspark.llm.paged_attention),
+        # "torch": always gather + SDPA.
+        self.attention = "auto"
 
     # -- projections as units (quantization) -------------------------------------------------
 
@@ -137,6 +221,17 @@ class ModelRunner:
         setattr(owner, slot, fn)
         if drop_float and fn is not None:
             setattr(owner, attr, getattr(owner, attr).new_empty(0))
+            setattr(owner, "p" + slot[1:], None)  # its packed copy goes too
+
+    def float_projections(self) -> list[tuple[Any, str, bool, str]]:
+        """(owner, weight attribute, stored transposed?, packed slot) of every projection that runs its
+        float weight (no quantized kernel installed), the LM head included."""
+        out = []
+        for name in self.linear_names():
+            owner, attr, transposed, slot = self._slot(name)
+            if getattr(owner, slot) is None and getattr(owner, attr).numel():
+                out.append((owner, attr, transposed, "p" + slot[1:]))
+        return out
 
     def linear_fn(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         owner, _, _, slot = self._slot(name)
@@ -196,6 +291,8 @@ class ModelRunner:
         if len(layer_devices) != len(self.layers):
             raise ValueError(f"{len(layer_devices)} layer devices for {len(self.layers)} layers")
         devs = [torch.device(d) for d in layer_devices]
+        for owner, _, _, pslot in self.float_projections():  # packed copies are CPU-only; pack again after
+            setattr(owner, pslot, None)
         for L, d in zip(self.layers, devs):
             for name in ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down"):
                 t = getattr(L, name)
@@ -220,6 +317,18 @@ class ModelRunner:
                 cache.k[li] = torch.zeros(cache.k[li].shape, dtype=self.dtype, device=d)
                 cache.v[li] = torch.zeros(cache.v[li].shape, dtype=self.dtype, device=d)
         return cache
+
+    def _kernel(self, cache: PagedKVCache) -> Any:
+        if self.attention != "auto" or self.layer_devices is not None or cache.k[0].device.type != "cpu":
+            return None
+        from dspark.llm.paged_attention import kernel
+
+        k = kernel()
+        c = self.cfg
+        if k is None or not k.supports(heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                                       head_dim=c.head_dim, page_size=cache.page_size, dtype=self.dtype):
+            return None
+        return k
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -250,8 +359,18 @@ class ModelRunner:
             cache.reserve(ch.seq_id, start + len(ch.token_ids))
             starts.append(start)
         tokens = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(s, s + len(ch.token_ids)) for s, ch in zip(starts, chunks)])
-        write_slots = torch.cat([cache.slots(ch.seq_id, s, s + len(ch.token_ids)) for s, ch in zip(starts, chunks)])
+        # Positions and the K/V slots they write, in plain Python: a tensor op per chunk cost more
+        # than the arithmetic at batch 32.
+        ps = cache.page_size
+        pos_l: list[int] = []
+        slot_l: list[int] = []
+        for s, ch in zip(starts, chunks):
+            table = cache.block_tables[ch.seq_id]
+            for pos in range(s, s + len(ch.token_ids)):
+                pos_l.append(pos)
+                slot_l.append(table[pos // ps] * ps + pos % ps)
+        positions = torch.tensor(pos_l, dtype=torch.long)
+        write_slots = torch.tensor(slot_l, dtype=torch.long)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
 
         # Attention plan, shared by all layers: which rows, which cached slots, which mask.
@@ -259,49 +378,20 @@ class ModelRunner:
         for ch in chunks:
             offsets.append(o)
             o += len(ch.token_ids)
-        dec = [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1]
-        pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
-        # Decode rows are grouped by length (sorted, then cut where padding a row up to its
-        # group's longest costs more than another SDPA call); each group gathers only its
-        # own tokens' K/V slots with one index_select per layer, the slot indices built once
-        # per step. Rows shorter than their group's longest mask their tail.
-        dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
-        if dec:
-            ps = cache.page_size
-            lens = [starts[i] + 1 for i in dec]
-            order = sorted(range(len(dec)), key=lambda r: lens[r])
-            sl = [lens[r] for r in order]
-            # cost[j] = cheapest split of sorted rows [0, j); a group [i, j) costs one call
-            # (worth _GROUP_COST tokens) plus (j - i) rows padded to sl[j - 1].
-            n = len(sl)
-            cost = [0] + [0] * n
-            cut = [0] * (n + 1)
-            for j in range(1, n + 1):
-                best, bi = _GROUP_COST + j * sl[j - 1], 0
-                for i in range(1, j):
-                    c_ = cost[i] + _GROUP_COST + (j - i) * sl[j - 1]
-                    if c_ < best:
-                        best, bi = c_, i
-                cost[j], cut[j] = best, bi
-            bounds, j = [], n
-            while j > 0:
-                bounds.append((cut[j], j))
-                j = cut[j]
-            for a, b in reversed(bounds):
-                members = sorted(order[a:b])  # row order within a group is free; keep step order
-                glen = sl[b - 1]
-                width = cache.pages_for(glen)
-                pages = torch.zeros(len(members), width, dtype=torch.long)
-                for r, m in enumerate(members):
-                    table = cache.block_tables[chunks[dec[m]].seq_id][:width]
-                    pages[r, : len(table)] = torch.tensor(table)
-                slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
-                mask = None
-                if sl[a] != glen:
-                    mlens = torch.tensor([lens[m] for m in members])
-                    mask = (torch.arange(glen)[None, :] < mlens[:, None])[:, None, None, :]
-                rows = torch.tensor([offsets[dec[m]] for m in members], dtype=torch.long)
-                dec_plan.append((rows, glen, slots, mask))
+        multi = any(len(ch.token_ids) > 1 for ch in chunks)  # a prefill (or verification) chunk is in this step
+        # Short chunks (decode rows, verification drafts, tiny prompts) go to the paged kernel when it
+        # runs here; otherwise decode rows are batched SDPA groups and every longer chunk is one SDPA call.
+        kern = self._kernel(cache)
+        if kern is not None:
+            short = [i for i, ch in enumerate(chunks) if len(ch.token_ids) <= _KERNEL_MAX_CHUNK]
+            kplan = _kernel_plan(cache, chunks, starts, offsets, short) if short else None
+            dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
+            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > _KERNEL_MAX_CHUNK]
+        else:
+            kplan = None
+            dec_plan = _decode_groups(cache, chunks, starts, offsets,
+                                      [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1])
+            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
         pre_plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for i in pre:
             n, s = len(chunks[i].token_ids), starts[i]
@@ -320,7 +410,7 @@ class ModelRunner:
                 dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
                 pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
-            qkv = h @ L.w_qkv_t if L.f_qkv is None else L.f_qkv(h)
+            qkv = L.f_qkv(h) if L.f_qkv is not None else _mm(h, L.w_qkv_t, L.p_qkv, True)
             if L.b_qkv is not None:
                 qkv = qkv + L.b_qkv
             qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
@@ -333,6 +423,9 @@ class ModelRunner:
             # A decode-only step with one group has its rows already in order: no gather/scatter of q.
             whole = not pre_plan and len(dec_plan) == 1
             attn = None if whole else torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+            if kplan is not None:
+                assert kern is not None and attn is not None
+                kern(q, attn, kc, vc, *kplan, D ** -0.5)
             for rows, glen, slots, mask in dec_plan:
                 B = rows.shape[0]
                 qd = (q if whole else q.index_select(0, rows)).unsqueeze(2)  # [B, H, 1, D]
@@ -354,14 +447,14 @@ class ModelRunner:
                 attn[off : off + n] = out[0].transpose(0, 1)
             assert attn is not None
             a = attn.reshape(T, H * D)
-            x = x + (F.linear(a, L.w_o) if L.f_o is None else L.f_o(a))
+            x = x + (L.f_o(a) if L.f_o is not None else _mm(a, L.w_o, L.p_o, False))
             h = self._rms(x, L.post_norm)
-            mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and pre_plan else None
+            mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and multi else None
             if mlp is None:
-                gu = h @ L.w_gate_up_t if L.f_gate_up is None else L.f_gate_up(h)
+                gu = L.f_gate_up(h) if L.f_gate_up is not None else _mm(h, L.w_gate_up_t, L.p_gate_up, True)
                 g, u = gu.chunk(2, dim=-1)
                 a = F.silu(g) * u
-                mlp = F.linear(a, L.w_down) if L.f_down is None else L.f_down(a)
+                mlp = L.f_down(a) if L.f_down is not None else _mm(a, L.w_down, L.p_down, False)
             x = x + mlp
 
         for s, ch in zip(starts, chunks):
@@ -375,7 +468,7 @@ class ModelRunner:
         if devs is not None:
             x, sel = x.to(self.norm.device), sel.to(self.norm.device)
         hn = self._rms(x[sel], self.norm)
-        logits = (hn @ self.lm_head_t if self.f_head is None else self.f_head(hn)).float()
+        logits = (self.f_head(hn) if self.f_head is not None else _mm(hn, self.lm_head_t, self.p_head, True)).float()
         if devs is not None:
             logits = logits.cpu()  # the sampler and its generators live on the host
         result, o = [], 0

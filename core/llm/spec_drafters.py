@@ -132,6 +132,9 @@ class DraftModelDrafter:
                  page_size: int = 16) -> None:
         self.path = Path(path)
         self.runner = ModelRunner.from_pretrained(str(path), dtype)
+        from dspark.llm.packed_linear import pack_runner
+
+        pack_runner(self.runner, "auto")  # batched drafting steps run several rows
         self.cache = self.runner.make_cache(-(-max_total_tokens // page_size), page_size)
         self.toks: dict[str, list[int]] = {}  # per sequence, the tokens whose K/V are in self.cache
         self._last_use: dict[str, float] = {}
