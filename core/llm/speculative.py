@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dspark.llm.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
 from dspark.llm.model import SeqChunk
 from dspark.llm.sampling import distribution, sample
@@ -46,6 +47,7 @@ from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tok
 from dspark.llm.spec_predictor import AcceptancePredictor, features
 from dspark.llm.spec_verify import accept_greedy, accept_sampling
 from dspark.log import get_logger
+from dspark.plugin_manager import BUILTINS
 from dspark.types import Draft, DraftRequest, TargetModel
 
 if TYPE_CHECKING:
@@ -107,8 +109,14 @@ class Handle:
     disabled: str | None = None
     stats: DrafterStats = field(default_factory=DrafterStats)
     calls: int = 0
+    guard: CallGuard | None = None  # a third party's drafter: its calls run with a deadline
 
     def call_batch(self, reqs: list[DraftRequest]) -> list[Draft]:
+        if self.guard is not None:
+            return list(self.guard(self._call_batch, reqs))
+        return self._call_batch(reqs)
+
+    def _call_batch(self, reqs: list[DraftRequest]) -> list[Draft]:
         fn = getattr(self.obj, "propose_batch", None)
         if fn is not None:
             return list(fn(reqs))
@@ -191,8 +199,11 @@ class SpecDecoder:
         self.handles: list[Handle] = []
         self.failures = 0
         for o in offers:
+            # Built-in drafters run inline; a third party's run on a guarded thread, with a deadline.
+            guard = None if o.plugin in BUILTINS else CallGuard(o.name, cfg.drafter_timeout_s)
             try:
-                obj = o.create()
+                obj = o.create() if guard is None else CallGuard(
+                    f"{o.name}.create", max(30.0, 10 * cfg.drafter_timeout_s))(o.create)
                 if not callable(getattr(obj, "propose", None)) and not callable(getattr(obj, "propose_batch", None)):
                     raise TypeError(f"create() returned {type(obj).__name__}, which has no propose()")
             except Exception as exc:  # the plugin's fault: report it, go on without this drafter
@@ -201,7 +212,7 @@ class SpecDecoder:
                             error=f"{type(exc).__name__}: {exc}")
                 continue
             self.handles.append(Handle(len(self.handles), o.name, o.kind, o.plugin, obj,
-                                       probe=o.kind == "ngram"))
+                                       probe=o.kind == "ngram", guard=guard))
         self.predictor = AcceptancePredictor(len(self.handles))
         self.reqs: dict[str, _Req] = {}
         self.exit_chosen = False
@@ -271,7 +282,10 @@ class SpecDecoder:
         if fn is None or h.disabled:
             return
         try:
-            fn(*args)
+            if h.guard is not None:
+                h.guard(fn, *args)
+            else:
+                fn(*args)
         except Exception as exc:
             self._disable(h, f"{method} raised {type(exc).__name__}: {exc}")
 

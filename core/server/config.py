@@ -71,6 +71,7 @@ class SpeculativeDecoding(_Section):
     max_k: int | None = Field(None, ge=1, le=16, description="most tokens DeepSpec drafts per sequence and step")
     exit_layer: int | Literal["auto"] | None = Field(None, description="self-drafting exit layer")
     drafters: list[str] | None = Field(None, description="drafters to use by name or kind; None = every offer")
+    drafter_timeout_s: float | None = Field(None, gt=0, description="deadline of a third-party drafter's calls")
 
     @field_validator("strategy")
     @classmethod
@@ -98,6 +99,8 @@ class EngineSection(_Section):
     speculative_decoding: SpeculativeDecoding = Field(default_factory=SpeculativeDecoding)
     devices: str | None = Field(None, description="EngineConfig.devices: None (CPU), 'auto' or a profile path")
     dense_offload: str = "off"
+    packed_linear: Literal["auto", "on", "off"] = Field(
+        "auto", description="EngineConfig.packed_linear: oneDNN-packed projection copies for multi-row steps")
 
 
 class ResourcesSection(_Section):
@@ -128,6 +131,7 @@ class ServerConfig(_Section):
             max_total_tokens=e.max_total_tokens, page_size=cb.kv_cache_page_size,
             max_num_batched_tokens=cb.max_num_batched_tokens, scheduler_policy=e.scheduler.policy,
             preemption_policy=cb.preemption_policy, devices=e.devices, dense_offload=e.dense_offload,
+            packed_linear=e.packed_linear,
         )
         # Handed over where the engine knows the field; validated and logged either way.
         if "gpu_memory_utilization" in EngineConfig.model_fields:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -531,26 +533,33 @@ class _Faulty:
                         return Draft(tokens=[10**6])
                     if how == "too_long":
                         return Draft(tokens=[5] * (k + 1))
+                    if how == "hang":
+                        threading.Event().wait(60)  # never set: a hung plugin (its thread is abandoned)
                 return Draft(tokens=tokens[-k:] if k else [])
 
         return [DrafterSpec(name=f"faulty-{how}", kind="other", create=Drafter)]
 
 
-@pytest.mark.parametrize("how", ["raise", "vocab", "too_long"])
+@pytest.mark.parametrize("how", ["raise", "vocab", "too_long", "hang"])
 def test_a_failing_drafter_is_reported_and_bypassed(how: str, spec_llm: Callable[..., LLM],
                                                     plain_outputs: list[list[int]],
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     host = PluginHost(PluginSettings(autoload=False)).load()
     host.register(_Faulty(how), "faulty")
-    llm = spec_llm({"strategy": "fixed", "drafters": [f"faulty-{how}"], "num_speculative_tokens": 2},
-                   plugin_host=host)
+    llm = spec_llm({"strategy": "fixed", "drafters": [f"faulty-{how}"], "num_speculative_tokens": 2,
+                    "drafter_timeout_s": 0.3}, plugin_host=host)
+    t0 = time.perf_counter()
     outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert time.perf_counter() - t0 < 20  # a hung drafter costs one timeout, not one per step
     assert [o.token_ids for o in outs] == plain_outputs  # nobody noticed, output-wise
     s = llm.stats()
     info = s.spec_drafters[f"faulty-{how}"]
     assert s.spec_drafter_failures == 1 and info["failures"] == 1 and info["disabled"]
     assert info["plugin"] == "faulty"
-    assert "spec.drafter_failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "spec.drafter_failed" in err
+    if how == "hang":
+        assert "did not return within 0.3 s" in err and "did not return within 0.3 s" in str(info["disabled"])
 
 
 def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
