@@ -181,12 +181,14 @@ def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], n_o
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=default_model_path())
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every contender (default 1)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every contender; 0 = torch's "
+                    "default (all cores), as benchmarks/engine.py; use 1 on a shared machine")
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, k swept over 1,2,4,8")
     ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 3, quick 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     quick = args.quick
     n_req, n_out = (2, 64) if quick else (4, 128)
     rounds = args.rounds or (2 if quick else 3)
@@ -219,7 +221,10 @@ def main() -> None:
     sweep: dict[tuple[str, int], dict[str, float]] = {}
     t_sweep = time.perf_counter()
     base.pass_(work, n_out, timed=True)  # plain alongside the sweep, for its ratios
-    extra = {"ngram": [16]}  # beyond the brief's sweep of 1..8: lookup drafts are nearly free, and loops are long
+    long_k = deep.engine.spec.cfg.max_k  # DeepSpec's own ceiling
+    # Beyond the brief's sweep of 1..8: lookup drafts are nearly free and loops are long, so a fixed
+    # lookup as long as DeepSpec may go is shown for reference (it is not a contender for "best fixed").
+    extra = {"ngram": sorted({16, long_k})}
     for kind, llm in fixed_llms.items():
         for k in ks + extra.get(kind, []):
             llm.engine.spec.cfg = llm.engine.spec.cfg.model_copy(update={"num_speculative_tokens": k})
@@ -250,9 +255,9 @@ def main() -> None:
     contenders = [base] + [dspark_contender(fixed_llms[kind], f"fixed {kind} k={best_k[kind]}")
                            for kind, _ in drafters] + [dspark_contender(deep, "deepspec")]
     long_lookup = None
-    if "ngram" in fixed_llms:  # the same lookup drafter with k=16, outside the brief's sweep, for reference
-        long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["ngram"], num_speculative_tokens=16),
-                                       "(fixed ngram k=16)")
+    if "ngram" in fixed_llms:  # the same lookup drafter at DeepSpec's max_k, outside the brief's sweep
+        long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["ngram"], num_speculative_tokens=long_k),
+                                       f"(fixed ngram k={long_k})")
         contenders.append(long_lookup)
     draft_path = next((Path(n.split(":", 1)[1]) for _, n in drafters if n.startswith("draft-model:")), None)
     if draft_path is not None:
@@ -291,7 +296,7 @@ def main() -> None:
         bw = max(fixed_cs, key=lambda c: c.tps(w, n_tok[w]))
         print(f"{f'deepspec / best fixed on {w} ({bw.name})':<52} {d.tps(w, n_tok[w]) / bw.tps(w, n_tok[w]):7.2f}")
     if long_lookup is not None:
-        print(f"{'deepspec / (fixed ngram k=16), mix  [outside the sweep]':<52} {mix(d) / mix(long_lookup):7.2f}")
+        print(f"{f'deepspec / {long_lookup.name}, mix  [outside the sweep]':<52} {mix(d) / mix(long_lookup):7.2f}")
     for c in hf:
         if c.name != "hf":
             print(f"{f'deepspec / {c.name}, mix':<52} {mix(d) / mix(c):7.2f} {'> 1':>8}")

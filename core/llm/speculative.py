@@ -299,7 +299,7 @@ class SpecDecoder:
         """Time the target's verify forwards and every drafter on this machine, before serving."""
         eng = self.eng
         cache, runner = eng.cache, eng.runner
-        ctx_len, kmax = 48, min(self.cfg.max_k, 16)
+        ctx_len, kmax = 48, self.cfg.max_k
         V = self.vocab
         pattern = [3 + (i * 7919) % max(V - 3, 1) for i in range(12)]
         per = cache.pages_for(ctx_len + kmax + 2)

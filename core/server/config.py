@@ -66,9 +66,9 @@ class SpeculativeDecoding(_Section):
     strategy: SpecStrategy = "deepspec"
     draft_model: str = Field("auto", description="'auto' = a draft checkpoint made for the target if one is found, "
                              "'none' = no separate draft model (self-drafting, n-gram), or a checkpoint directory")
-    num_speculative_tokens: int = Field(4, ge=1, le=16, description="k of the fixed strategy")
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="k of the fixed strategy")
     conservative: bool = Field(False, description="cap k for long open-ended text")
-    max_k: int | None = Field(None, ge=1, le=16, description="most tokens DeepSpec drafts per sequence and step")
+    max_k: int | None = Field(None, ge=1, le=64, description="most tokens DeepSpec drafts per sequence and step")
     exit_layer: int | Literal["auto"] | None = Field(None, description="self-drafting exit layer")
     drafters: list[str] | None = Field(None, description="drafters to use by name or kind; None = every offer")
     drafter_timeout_s: float | None = Field(None, gt=0, description="deadline of a third-party drafter's calls")
