@@ -37,6 +37,13 @@ In one run, on the embedded model (or ``--model``):
     the peak RSS of (d) taken after (b) is dspark's alone (transformers not yet
     imported).
 (d) peak RSS (getrusage ru_maxrss) and current RSS (psutil) after each phase.
+(e) where the dense parts and attention run, and whether it paid: prefill and
+    batch-8 tokens/s of engines that differ only in that: torch alone (MKL
+    matmuls, gathered K/V + SDPA), the default (oneDNN-packed projections for
+    multi-row steps, the paged attention kernel), and the default with the
+    prefill MLP offloaded to another plugin (the
+    placer's bids are printed, with what ``dense_offload="auto"`` picks), one
+    engine per plugin that bids.
 """
 
 from __future__ import annotations
@@ -209,6 +216,61 @@ def snapshot(src: Path) -> tuple[Path, str]:
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def dense_paths(model: Path, dtype: str, pool: list[Req], rounds: int) -> None:
+    """(e) Where the dense parts and attention run, and whether it paid: the same requests on engines
+    that differ only in that. Prefill = each of 8 prompts alone with max_tokens=1; batch 8 = 16
+    requests of 32 tokens with up to 8 in flight. Interleaved rounds, medians."""
+    from dspark.llm.placement import decide_dense_offload, host_and_inventory
+
+    prompts = [r.prompt for r in pool[:8]]
+    batch = [r.prompt for r in pool[:16]]
+    configs: dict[str, dict] = {
+        "torch only (gather+SDPA, MKL)": dict(packed_linear="off"),
+        "default (paged kernel, oneDNN)": {},
+    }
+    probe = LLM(model, dtype=dtype, max_batch_size=8, packed_linear="off")
+    host, inv = host_and_inventory("auto")
+    dec = decide_dense_offload(probe.engine.runner, host, inv, mode="auto")
+    print(f"\n(e) dense offload decision (prefill MLP bids at {dec.bucket} tokens, ms): {dec.bids}; "
+          f"auto picks {dec.plugin or 'torch'}: {dec.reason}")
+    for other in [b.split("@")[0] for b in sorted(dec.bids, key=dec.bids.get) if not b.startswith("torch@")]:
+        configs[f"+ prefill MLP on {other} (dense_offload={other})"] = dict(dense_offload=other)
+    del probe
+    llms = {}
+    for name, kw in configs.items():
+        llms[name] = LLM(model, dtype=dtype, max_batch_size=8, **kw)
+        if kw.get("packed_linear") == "off":
+            llms[name].engine.runner.attention = "torch"
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    p32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "batch": []} for n in llms}
+    outs: dict[str, list[list[int]]] = {}
+    for llm in llms.values():  # warm-up (compiles the offloaded executables)
+        for p in prompts:
+            llm.generate([p], one)
+        llm.generate(batch[:8], p32)
+    for _ in range(rounds):
+        for n, llm in llms.items():
+            t0 = time.perf_counter()
+            for p in prompts:
+                llm.generate([p], one)
+            times[n]["prefill"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            outs[n] = [o.token_ids for o in llm.generate(batch, p32)]
+            times[n]["batch"].append(time.perf_counter() - t0)
+    ptok = sum(len(p) for p in prompts)
+    btok = 32 * len(batch)
+    ref = next(iter(llms))
+    print(f"(e) prefill {len(prompts)} prompts alone ({ptok} tokens), batch 8 = {len(batch)} requests x 32 tokens; "
+          f"median of {rounds} interleaved rounds")
+    print(f"{'engine':<46} {'prefill tok/s':>13} {'batch-8 tok/s':>13} {'vs torch only':>14}  identical")
+    base_p = ptok / med(times[ref]["prefill"])
+    base_b = btok / med(times[ref]["batch"])
+    for n in llms:
+        pt, bt = ptok / med(times[n]["prefill"]), btok / med(times[n]["batch"])
+        print(f"{n:<46} {pt:13.1f} {bt:13.1f} {pt / base_p:6.2f} /{bt / base_b:5.2f}  {outs[n] == outs[ref]}")
 
 
 def main() -> None:
@@ -384,6 +446,11 @@ def main() -> None:
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     print(f"outputs token-identical: {same}" + ("" if same else f" (lengths {len(a)}/{len(b)}, first differing "
                                                            f"token at {first})"))
+
+    # ---------------------------------------------------------------- (e)
+    del hf, single
+    gc.collect()
+    dense_paths(model, dtype_name, pool, rounds=3)
 
     # ---------------------------------------------------------------- (d)
     print("\n(d) memory (MiB): RSS now / peak RSS so far, after each phase")
