@@ -1,11 +1,15 @@
 """Our own Llama-family forward pass over the paged KV cache.
 
 One ``step`` runs any mix of prefill chunks and decode tokens for many
-sequences: tokens are flattened for the dense parts (norms, projections, MLP)
-and attention is per sequence, with K/V gathered from pages by block table.
-Decode rows are batched into padded SDPA calls, one per group of similar
-length (K/V gathered slot by slot, index tensors built once per step); prefill chunks get one
-call each (they are few per step and already long).
+sequences: tokens are flattened for the dense parts (norms, projections, MLP;
+steps of several rows through oneDNN-packed copies, see packed_linear.py) and
+attention is per sequence over the pages by block table. On the CPU in float32,
+every chunk of up to 16 tokens (decode rows, verification drafts) goes to the
+paged kernel (paged_attention.c), all in one call per layer, reading K/V in
+place; longer chunks get one SDPA call each over their gathered pages. Where
+the kernel does not run, decode rows are batched into padded SDPA calls, one
+per group of similar length (K/V gathered slot by slot, index tensors built
+once per step).
 """
 
 from __future__ import annotations
