@@ -30,7 +30,9 @@ NUM_BUCKETS = 10
 
 def features(conf: float, hist: float, pos: int, rep: float, ctx_len: int) -> list[float]:
     """conf, hist, rep in [0, 1]; pos >= 1 is the token's place in the draft."""
-    return [1.0, conf, conf * conf, hist, min(pos, 16) / 8.0, rep, min(1.0, math.log2(max(ctx_len, 1)) / 10.0)]
+    # The position is not capped below the largest max_k (64): the controller extrapolates the
+    # position term linearly along a draft, so a cap would make its view and the predictor's differ.
+    return [1.0, conf, conf * conf, hist, min(pos, 64) / 8.0, rep, min(1.0, math.log2(max(ctx_len, 1)) / 10.0)]
 
 
 def _sigmoid(z: float) -> float:

@@ -340,6 +340,24 @@ def test_end_to_end_sampling_matches_the_target_model(tmp_path: Path) -> None:
 # -- predictor and controller ---------------------------------------------------------------------
 
 
+def test_the_controllers_view_of_a_draft_matches_the_predictor_at_every_position() -> None:
+    """DeepSpec's controller extrapolates the position term along a draft; up to the largest max_k
+    that must be what the predictor itself would say (a capped position feature once made the two
+    disagree past 16 tokens)."""
+    pred = AcceptancePredictor(1)
+    rng = random.Random(0)
+    for _ in range(400):  # acceptance falling with the position, so the position weight is non-zero
+        pos = rng.randint(1, 64)
+        x = features(0.8, 0.7, pos, 0.3, 300)
+        pred.observe(0, x, pred.predict(0, x), rng.random() < 0.95 - 0.01 * pos)
+    w = pred.models[0].w
+    assert w[4] < 0
+    x1 = features(0.8, 0.7, 1, 0.3, 300)
+    o = Option(0, None, n=64, z0=sum(a * b for a, b in zip(w, x1)), dz=w[4] / 8.0)
+    for j in range(64):
+        assert o.acc(j) == pytest.approx(pred.predict(0, features(0.8, 0.7, j + 1, 0.3, 300)), abs=1e-9)
+
+
 def test_predictor_learns_and_its_calibration_improves() -> None:
     rng = random.Random(0)
     pred = AcceptancePredictor(1, priors=[0.5])
