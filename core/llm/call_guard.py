@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,24 +20,38 @@ class DrafterTimeout(RuntimeError):
     """A guarded call did not return in time; the drafter is to be disabled."""
 
 
+_Job = tuple[Callable[..., Any], tuple[Any, ...], list[Any], threading.Event]
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    # A plain function, not a method: the worker must not keep its guard alive, so that a
+    # dropped guard's finalizer can stop it.
+    while (job := jobs.get()) is not None:
+        fn, args, box, done = job
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as exc:  # handed to the caller's thread
+            box.append((False, exc))
+        done.set()
+        # Hold nothing of the finished call while waiting for the next: its result or traceback
+        # would keep the guard (and what it guards) alive.
+        del job, fn, args, box, done
+
+
 class CallGuard:
     def __init__(self, name: str, timeout_s: float) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.hung: str | None = None  # what timed out, once something did
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], list[Any], threading.Event]] = \
-            queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._loop, name=f"dspark-drafter-{name}", daemon=True)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=_serve, args=(self._jobs,), name=f"dspark-drafter-{name}",
+                                        daemon=True)
         self._worker.start()
+        self._close = weakref.finalize(self, self._jobs.put, None)  # the worker ends with its guard
 
-    def _loop(self) -> None:
-        while True:
-            fn, args, box, done = self._jobs.get()
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed to the caller's thread
-                box.append((False, exc))
-            done.set()
+    def close(self) -> None:
+        """Let the worker end once it is idle (at once, unless a call hung)."""
+        self._close()
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         label = getattr(fn, "__name__", "call")

@@ -158,6 +158,15 @@ def repetitiveness(ids: list[int]) -> float:
     return hits / (len(ids) - 1)
 
 
+def _guarded_create(offer: Any, timeout_s: float) -> Any:
+    """A third party's ``create()``, which may load a model: 10x the call deadline, at least 30 s."""
+    g = CallGuard(f"{offer.name}.create", max(30.0, 10 * timeout_s))
+    try:
+        return g(offer.create)
+    finally:
+        g.close()
+
+
 class SpecDecoder:
     def __init__(self, engine: LLMEngine, cfg: SpeculativeConfig, host: PluginHost | None = None) -> None:
         self.eng = engine
@@ -202,8 +211,7 @@ class SpecDecoder:
             # Built-in drafters run inline; a third party's run on a guarded thread, with a deadline.
             guard = None if o.plugin in BUILTINS else CallGuard(o.name, cfg.drafter_timeout_s)
             try:
-                obj = o.create() if guard is None else CallGuard(
-                    f"{o.name}.create", max(30.0, 10 * cfg.drafter_timeout_s))(o.create)
+                obj = o.create() if guard is None else _guarded_create(o, cfg.drafter_timeout_s)
                 if not callable(getattr(obj, "propose", None)) and not callable(getattr(obj, "propose_batch", None)):
                     raise TypeError(f"create() returned {type(obj).__name__}, which has no propose()")
             except Exception as exc:  # the plugin's fault: report it, go on without this drafter

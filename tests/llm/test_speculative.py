@@ -603,3 +603,25 @@ def test_plugin_api_1_0_drafters_still_load() -> None:
 
     assert host.register(Old(), "old").status.value == "active"
     assert dspark.API_VERSION >= "1.1"  # minor versions only add
+
+
+def test_call_guard_workers_end_with_their_guard() -> None:
+    """Every engine with a third-party drafter makes a guard; its worker thread must not outlive it."""
+    import gc
+
+    from dspark.llm.call_guard import CallGuard, DrafterTimeout
+
+    g = CallGuard("probe", 5.0)
+    assert g(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        g(lambda: 1 / 0)
+    worker = g._worker
+    del g
+    gc.collect()
+    worker.join(5)
+    assert not worker.is_alive()
+    hung = CallGuard("hung", 0.05)
+    with pytest.raises(DrafterTimeout, match="did not return within 0.05 s"):
+        hung(threading.Event().wait, 30)
+    with pytest.raises(DrafterTimeout, match="an earlier wait never returned"):
+        hung(int)
