@@ -189,9 +189,11 @@ def streams_weights(subgraph: Subgraph) -> bool:
     return sum(int(inits[op.inputs[1]].nbytes) for op in ops) >= STREAMING_MIN_BYTES
 
 
-def linear_baseline(subgraph: Subgraph) -> Subgraph | None:
-    """A tiny float linear like ``subgraph`` (a one-op ``x @ W``), with the same rows, to pass as
-    ``cold_baseline`` once the plugin has quantized it like ``subgraph``; None for anything else."""
+def linear_baseline(subgraph: Subgraph,
+                    quantize: Callable[[Subgraph], Subgraph | None] | None = None) -> Subgraph | None:
+    """A tiny linear like ``subgraph`` (a one-op ``x @ W``), with the same rows, to pass as
+    ``cold_baseline``; None for anything else. When ``subgraph`` is a quantized variant, the
+    baseline goes through ``quantize`` (the plugin's own, with ``subgraph``'s spec) to match it."""
     from dspark.quant import linear_subgraph
 
     ops = subgraph.ops
@@ -205,7 +207,8 @@ def linear_baseline(subgraph: Subgraph) -> Subgraph | None:
     hint = subgraph.graph.dim_hints.get(rows, 1) if isinstance(rows, str) else rows
     # 256 x 64: two groups of 128 (group-wise kernels run their grouped path), 64 KB as float32.
     w = (np.random.default_rng(0).standard_normal((256, 64)) / 16).astype(np.float32)
-    return linear_subgraph("cold_baseline", w, tokens=rows, representative_tokens=int(hint))
+    base = linear_subgraph("cold_baseline", w, tokens=rows, representative_tokens=int(hint))
+    return quantize(base) if quantize is not None and subgraph.quantized_by else base
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,20 +33,13 @@ def bid(subgraph: Subgraph, device: Device) -> Bid | None:
         subgraph, device, runtime_key=f"{device.runtime} {runtime.version()}", compile=_compile(device),
         dtype=compute, op_overhead_s=float(device.properties.get("op_overhead_s", DEFAULT_OP_OVERHEAD_S)),
         call_overhead_s=float(device.properties.get("call_overhead_s", 0.0)), measure_overheads=False,
-        flush_caches=cold, cold_baseline=_cold_baseline(subgraph, device) if cold else None,
+        flush_caches=cold, cold_baseline=calibration.linear_baseline(
+            subgraph, lambda base: quantize(base, device, subgraph.quant_spec)) if cold else None,
     )
     precision = subgraph.quant_spec.precision if subgraph.quantized_by else _precision(subgraph, compute)
     return Bid(device_id=device.id, runtime=device.runtime, latency_s=est.latency_s,
                precision=precision, fixed_overhead_s=est.fixed_overhead_s,
                peak_memory_bytes=_weight_bytes(subgraph) + subgraph.io_bytes(), source=est.source, note=est.note)
-
-
-def _cold_baseline(subgraph: Subgraph, device: Device) -> Subgraph | None:
-    """The tiny linear of the same kind (quantized the same way) that cold timings are corrected by."""
-    base = calibration.linear_baseline(subgraph)
-    if base is None or not subgraph.quantized_by:
-        return base
-    return quantize(base, device, subgraph.quant_spec)
 
 
 def _weight_bytes(subgraph: Subgraph) -> int:

@@ -125,22 +125,16 @@ def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
     precision = subgraph.quant_spec.precision if subgraph.quantized_by else "float32"
     # Timed through dspark_compile (cached); the roofline when it cannot be.
     cold = calibration.streams_weights(subgraph)
+    baseline = calibration.linear_baseline(
+        subgraph, lambda base: dspark_quantize(base, device, subgraph.quant_spec)) if cold else None
     est = calibration.estimate(subgraph, device, runtime_key=f"{RUNTIME} {_torch_version()}",
                                compile=lambda sg: dspark_compile(sg, device), op_overhead_s=_OP_OVERHEAD_S,
-                               flush_caches=cold, cold_baseline=_cold_baseline(subgraph, device) if cold else None)
+                               flush_caches=cold, cold_baseline=baseline)
     latency = est.latency_s + 2e-4 * len(host_only)  # the numpy reference is slow; never prefer it
     notes = [est.note] + ([f"{len(host_only)} op(s) via onnx.reference"] if host_only else [])
     return Bid(device_id=device.id, runtime=RUNTIME, latency_s=latency, precision=precision,
                peak_memory_bytes=_weight_bytes(subgraph) + subgraph.io_bytes(),
                fixed_overhead_s=est.fixed_overhead_s, source=est.source, note="; ".join(n for n in notes if n))
-
-
-def _cold_baseline(subgraph: Subgraph, device: Device) -> Subgraph | None:
-    """The tiny linear of the same kind (quantized the same way) that cold timings are corrected by."""
-    base = calibration.linear_baseline(subgraph)
-    if base is None or not subgraph.quantized_by:
-        return base
-    return dspark_quantize(base, device, subgraph.quant_spec)
 
 
 def _weight_bytes(subgraph: Subgraph) -> int:

@@ -46,7 +46,7 @@ def unavailable_reason() -> str | None:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(24, 16, generator=g)
         x = torch.randn(3, 16, generator=g)
-        y = torch.ops.mkldnn._linear_pointwise(x, pack(w), None, "none", [], "")
+        y = linear(x, pack(w))
     except Exception as e:  # a build or CPU without the op: the plain path runs
         return f"torch.ops.mkldnn linear failed: {type(e).__name__}: {e}"
     err = float((y - x @ w.t()).abs().max())
@@ -79,8 +79,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     b = row_bucket(m)
     if b != m:
         x = torch.cat([x, x.new_zeros(b - m, x.shape[1])])
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
 
 
 def packable(runner: ModelRunner) -> str | None:
@@ -105,8 +104,8 @@ def pack_runner(runner: ModelRunner, mode: PackMode = "auto", available_bytes: i
             raise ValueError(f"packed_linear='on' is not possible: {why}")
         log.info("llm.packed_linear", packed=False, reason=why)
         return f"not packed: {why}"
-    todo = [(owner, attr, slot, tr) for owner, attr, tr, slot in runner.float_projections()]
-    extra = sum(getattr(o, a).numel() * 4 for o, a, _, _ in todo)
+    todo = runner.float_projections()
+    extra = sum(getattr(owner, attr).numel() * 4 for owner, attr, _, _ in todo)
     if mode == "auto":
         if available_bytes is None:
             import psutil
@@ -117,7 +116,7 @@ def pack_runner(runner: ModelRunner, mode: PackMode = "auto", available_bytes: i
                    f"{available_bytes / 2**20:.0f} MiB available")
             log.info("llm.packed_linear", packed=False, reason=why)
             return f"not packed: {why}"
-    for owner, attr, slot, transposed in todo:
+    for owner, attr, transposed, slot in todo:
         w = getattr(owner, attr)
         setattr(owner, slot, pack(w.t() if transposed else w))
     log.info("llm.packed_linear", packed=True, projections=len(todo), extra_mib=round(extra / 2**20, 1))

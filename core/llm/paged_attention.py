@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dspark import hostinfo
 from dspark.cache import cache_dir
 from dspark.log import get_logger
 
@@ -32,24 +33,15 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _I32, _I64, _F32, _P = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def _build() -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or $CC) on PATH")
     src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    # -march=native: the build is only valid for this CPU model and instruction set.
+    cpu = hostinfo.cpu_static()
+    key = " ".join([cc, *_FLAGS, cpu["model"], cpu["arch"], *cpu["isa_features"]])
+    tag = hashlib.sha256(src + key.encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"paged_attention-{tag}.so"
     if out.exists():
         return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import random
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -566,9 +565,7 @@ def test_a_failing_drafter_is_reported_and_bypassed(how: str, spec_llm: Callable
     host.register(_Faulty(how), "faulty")
     llm = spec_llm({"strategy": "fixed", "drafters": [f"faulty-{how}"], "num_speculative_tokens": 2,
                     "drafter_timeout_s": 0.3}, plugin_host=host)
-    t0 = time.perf_counter()
     outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
-    assert time.perf_counter() - t0 < 20  # a hung drafter costs one timeout, not one per step
     assert [o.token_ids for o in outs] == plain_outputs  # nobody noticed, output-wise
     s = llm.stats()
     info = s.spec_drafters[f"faulty-{how}"]
@@ -578,6 +575,8 @@ def test_a_failing_drafter_is_reported_and_bypassed(how: str, spec_llm: Callable
     assert "spec.drafter_failed" in err
     if how == "hang":
         assert "did not return within 0.3 s" in err and "did not return within 0.3 s" in str(info["disabled"])
+        drafter = next(h.obj for h in llm.engine.spec.handles if h.name == "faulty-hang")
+        assert type(drafter).calls == 4  # the hung call was the last: a hung drafter costs one timeout
 
 
 def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
