@@ -337,6 +337,10 @@ def main() -> None:
             if name in cal:
                 print(f"  {name}: k=1 {cal[name]['ms_k1']:.2f} ms ({cal[name]['ms_k1'] / one:.2f}x a target step)"
                       + (f", k=4 {cal[name]['ms_k4']:.2f} ms" if cal[name].get("ms_k4") else ""))
+    th = sd.verify_cost.theta
+    print(f"  DeepSpec's verify cost model after the run: a plain step {th[0] + th[1]:.2f} ms; drafting adds "
+          f"{th[3]:.2f} ms per verify chunk, {th[2]:.3f} ms per drafted token and {th[5]:.3f} ms per head row "
+          f"computed (long drafts' rows past the first block only when it held)")
     if "self_exit_layer" in cal:
         print(f"  self-draft exit layer (measured on the first real context): {cal['self_exit_layer']}")
     sys.stdout.flush()

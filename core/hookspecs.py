@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.2).
+"""The dspark plugin contract (API version 1.3).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.2"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.3"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
 
 PROJECT = "dspark"
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -165,7 +165,9 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
     when the plugin has nothing for this model (e.g. a tokenizer mismatch).
     A drafter needs only ``propose(tokens, k)``; since API 1.1 it may add
     ``propose_batch(requests)``, ``commit(seq_id, num_tokens)`` and
-    ``release(seq_id)`` (see :class:`~dspark.types.Drafter`). Drafters run in
+    ``release(seq_id)`` (see :class:`~dspark.types.Drafter`); since API 1.3 a
+    copying drafter may say where its draft was copied from (``Draft.source``),
+    which the acceptance predictor learns from. Drafters run in
     the engine's thread during generation: one that raises or returns a
     malformed draft is reported and disabled for the rest of the run, and the
     requests go on without it.

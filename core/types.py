@@ -185,7 +185,11 @@ class Draft(BaseModel):
     (q one-hot), which is lossless too. ``confidence`` (API 1.1) is the
     drafter's own estimate that each token is right, e.g. its probability
     for the token; the speculative-decoding controller learns from it how far
-    a draft is worth verifying.
+    a draft is worth verifying. ``source`` (API 1.3) tells a copy where it was
+    copied from: whether that lies in the prompt or in the text generated so
+    far is a feature of the controller's acceptance predictor (a model
+    repeating its own output and one re-typing its prompt hold a copy for
+    very different lengths).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -196,6 +200,10 @@ class Draft(BaseModel):
     )
     confidence: list[float] | None = Field(
         None, description="Per token, the drafter's estimate in [0, 1] that it is right (API 1.1); None = unknown."
+    )
+    source: int | None = Field(
+        None, description="For a drafter that copies from the context (lookup): the index in the request's "
+        "tokens where the copied run starts (API 1.3); None = not a copy.", ge=0,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dspark.hookspecs import hookimpl
 from dspark.types import Draft, DraftRequest, DrafterSpec, TargetModel
 
-DSPARK_API_VERSION = "1.1"
+DSPARK_API_VERSION = "1.3"  # Draft.source
 
 
 class _Index:
@@ -40,14 +40,15 @@ class _Index:
                     prev[g] = old
                 last[g] = end - n
 
-    def lookup(self, k: int) -> tuple[list[int], int]:
+    def lookup(self, k: int) -> tuple[list[int], int, int]:
+        """(draft, match length, where the draft was copied from)."""
         toks = self.toks
         L = len(toks)
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             start = self.prev.get(tuple(toks[L - n:]))  # the latest occurrence is the suffix itself
             if start is not None:
-                return _follow(toks, start + n, k), _match_len(toks, start + n, L)
-        return [], 0
+                return _follow(toks, start + n, k), _match_len(toks, start + n, L), start + n
+        return [], 0, 0
 
 
 def _match_len(toks: list[int], a: int, b: int, most: int = 32) -> int:
@@ -91,7 +92,7 @@ class PromptLookupDrafter:
                 if tokens[start:start + n] == suffix:
                     follow = _follow(tokens, start + n, k)
                     c = confidence(_match_len(tokens, start + n, len(tokens)))
-                    return Draft(tokens=follow, confidence=[c] * len(follow))
+                    return Draft(tokens=follow, confidence=[c] * len(follow), source=start + n)
         return Draft(tokens=[])
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -106,8 +107,9 @@ class PromptLookupDrafter:
             if r.k <= 0:
                 out.append(Draft(tokens=[]))
                 continue
-            toks, m = idx.lookup(r.k)
-            out.append(Draft(tokens=toks, confidence=[confidence(m)] * len(toks) if toks else None))
+            toks, m, src = idx.lookup(r.k)
+            out.append(Draft(tokens=toks, confidence=[confidence(m)] * len(toks) if toks else None,
+                             source=src if toks else None))
         return out
 
     def release(self, seq_id: str) -> None:

@@ -34,6 +34,9 @@ class SeqChunk:
     seq_id: str
     token_ids: list[int]
     all_logits: bool = False  # logits for every position (speculative verification), not just the last
+    # With all_logits: return the final-normed hidden rows [n, hidden] instead of logits; the caller
+    # runs ``ModelRunner.head`` on the rows it needs (greedy verification stops at the first mismatch).
+    hidden_only: bool = False
 
 
 @dataclass
@@ -472,12 +475,30 @@ class ModelRunner:
         if devs is not None:
             x, sel = x.to(self.norm.device), sel.to(self.norm.device)
         hn = self._rms(x[sel], self.norm)
-        logits = (self.f_head(hn) if self.f_head is not None else _mm(hn, self.lm_head_t, self.p_head, True)).float()
-        if devs is not None:
-            logits = logits.cpu()  # the sampler and its generators live on the host
-        result, o = [], 0
-        for ch, r in zip(chunks, rows):
-            part = logits[o : o + len(r)]
-            result.append(part if ch.all_logits else part[0])
-            o += len(r)
+        lazy = [ch.all_logits and ch.hidden_only for ch in chunks]
+        if not any(lazy):
+            logits = self.head(hn)
+        else:  # the head only over the rows that want logits now
+            want, o = [], 0
+            for ch, r, lz in zip(chunks, rows, lazy):
+                if not lz:
+                    want.append(torch.arange(o, o + len(r)))
+                o += len(r)
+            eager = self.head(hn[torch.cat(want)]) if want else None
+        result, o, e = [], 0, 0
+        for ch, r, lz in zip(chunks, rows, lazy):
+            n = len(r)
+            if lz:
+                result.append(hn[o : o + n])
+            else:
+                part = logits[o : o + n] if not any(lazy) else eager[e : e + n]  # type: ignore[index]
+                e += n
+                result.append(part if ch.all_logits else part[0])
+            o += n
         return result
+
+    @torch.inference_mode()
+    def head(self, hn: torch.Tensor) -> torch.Tensor:
+        """fp32 logits on the host for final-normed hidden rows (what ``hidden_only`` chunks return)."""
+        logits = (self.f_head(hn) if self.f_head is not None else _mm(hn, self.lm_head_t, self.p_head, True)).float()
+        return logits.cpu() if self.layer_devices is not None else logits  # the sampler lives on the host

@@ -5,9 +5,14 @@ predicted acceptance of each next drafted token (the predictor), and it
 knows what the step will cost (measured, never assumed):
 
 - verify: the target's forward time as a linear function of
-  ``[1, decode rows B, drafted tokens K, verify chunks M, prefill tokens]``,
-  fitted by recursive least squares on every step (prior from a startup
-  calibration of the real model on this machine);
+  ``[1, decode rows B, drafted tokens K, verify chunks M, prefill tokens,
+  head rows Hd]``, fitted by recursive least squares on every step (prior
+  from a startup calibration of the real model on this machine). Greedy
+  verification computes the LM head over a long draft's first block of rows
+  (spec_verify.HEAD_BLOCK) and over the rest only if the first block held,
+  so Hd, the drafted rows that got logits, is below K when drafts break
+  early: a drafted token costs its layers for sure and, past the first
+  block, its head row only if that block held;
 - draft: each drafter's call time as a function of
   ``[1, positions P, P x sequences S, S]`` (a batched draft model pays per
   position, a lookup per sequence), fitted the same way.
@@ -30,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from dspark.llm.spec_verify import head_rows
 
 
 class RLS:
@@ -74,6 +81,46 @@ class RLS:
         self.n += 1
 
 
+class VerifyCost:
+    """The target forward's time over ``verify_x`` features, learned in two parts.
+
+    One least-squares fit of every feature cannot tell a step's fixed cost
+    from drafting's once nearly every step drafts (one sequence: every
+    drafted step has the same decode rows and one verify chunk), and it
+    drifted to "plain steps are dear, drafting's fixed cost is nil", which
+    made drafts with little chance look free. So plain decode steps teach
+    the plain part ``[1, B]``, and drafted steps teach only what drafting
+    adds, ``[K, M, Hd]``, over the plain part's prediction. Prefill's
+    per-token cost is followed separately (``prefill``).
+    """
+
+    def __init__(self, theta: list[float], var: list[float]) -> None:
+        self.plain = RLS(theta[:2], var[:2])
+        self.drafting = RLS([theta[2], theta[3], theta[5]], [var[2], var[3], var[5]])
+        self.prefill = float(theta[4])
+
+    @property
+    def theta(self) -> list[float]:
+        (b0, b1), (k, m, h) = self.plain.theta, self.drafting.theta
+        return [b0, b1, k, m, self.prefill, h]
+
+    def predict(self, x: list[float]) -> float:
+        return self.plain.predict(x[:2]) + self.drafting.predict([x[2], x[3], x[5]]) + self.prefill * x[4]
+
+    def update(self, x: list[float], y: float) -> None:
+        """One timed forward without prefill."""
+        if x[2] == 0:
+            self.plain.update(x[:2], y)
+        else:
+            self.drafting.update([x[2], x[3], x[5]], y - self.plain.predict(x[:2]))
+
+    def update_prefill(self, x: list[float], y: float, rate: float = 0.2) -> None:
+        """A forward with prefill tokens: only the per-token coefficient follows what it cost beyond
+        the decode part (prefill's cost is not linear enough to share the decode model's fit)."""
+        rest = y - self.predict(x[:4] + [0.0] + x[5:])
+        self.prefill += rate * (max(rest, 0.0) / x[4] - self.prefill)
+
+
 def fit(xs: list[list[float]], ys: list[float], prior: list[float], ridge: float = 1e-3) -> list[float]:
     """Least squares pulled towards ``prior`` where the data say nothing; non-negative."""
     X, y, p = np.asarray(xs, float), np.asarray(ys, float), np.asarray(prior, float)
@@ -83,8 +130,9 @@ def fit(xs: list[list[float]], ys: list[float], prior: list[float], ridge: float
     return [max(0.0, float(v)) for v in np.linalg.solve(A, b)]
 
 
-def verify_x(rows: int, drafted: int, chunks: int, prefill: int) -> list[float]:
-    return [1.0, float(rows), float(drafted), float(chunks), float(prefill)]
+def verify_x(rows: int, drafted: int, chunks: int, prefill: int, head: float | None = None) -> list[float]:
+    """``head``: drafted rows whose logits were computed (default: all of them, ``drafted``)."""
+    return [1.0, float(rows), float(drafted), float(chunks), float(prefill), float(drafted if head is None else head)]
 
 
 def draft_x(positions: int, seqs: int) -> list[float]:
@@ -95,8 +143,9 @@ def draft_x(positions: int, seqs: int) -> list[float]:
 class Option:
     """One drafter for one sequence: predicted acceptance of each next drafted token, for up to n tokens.
 
-    Either ``a`` lists them, or the logit of token j (0-based) is ``z0 + dz * j``
-    for j < n (the predictor's form), evaluated only as far as the choice looks.
+    Either ``a`` lists them, or the logit of token j (0-based) is
+    ``z0 + dz * j + dlog * log2(j + 1)`` for j < n (the predictor's form,
+    spec_predictor.along), evaluated only as far as the choice looks.
     """
 
     drafter: int
@@ -104,6 +153,7 @@ class Option:
     sunk: bool = False  # already drafted (a cheap lookup ran for everyone): no drafting time left to pay
     z0: float = 0.0
     dz: float = 0.0
+    dlog: float = 0.0
     n: int = 0
 
     def __post_init__(self) -> None:
@@ -113,7 +163,7 @@ class Option:
     def acc(self, j: int) -> float:
         if self.a is not None:
             return self.a[j]
-        z = self.z0 + self.dz * j
+        z = self.z0 + self.dz * j + (self.dlog * math.log2(j + 1) if self.dlog else 0.0)
         return 1.0 / (1.0 + math.exp(-z)) if z > -30.0 else 0.0
 
 
@@ -122,6 +172,7 @@ class SeqChoice:
     drafter: int | None = None
     k: int = 0
     gain: float = 0.0  # expected extra tokens over plain decoding
+    head: float = 0.0  # expected drafted rows whose logits get computed
 
 
 @dataclass
@@ -135,9 +186,11 @@ class Plan:
 
 
 class Controller:
-    def __init__(self, verify: RLS, draft: list[RLS]) -> None:
+    def __init__(self, verify: VerifyCost | RLS, draft: list[RLS], head_block: int | None = None) -> None:
         self.verify = verify
         self.draft = draft
+        # Rows of logits per verification block; None: the head runs over every drafted row.
+        self.head_block = head_block
 
     def draft_time(self, d: int, positions: int, seqs: int) -> float:
         if positions <= 0 or seqs <= 0:
@@ -149,7 +202,8 @@ class Controller:
         """``options[i]``: the drafters open to decode sequence i. Returns one choice per sequence."""
         B = len(options)
         th = self.verify.theta
-        c_tok, c_chunk = float(th[2]), float(th[3])
+        c_tok, c_chunk, c_head = float(th[2]), float(th[3]), float(th[5])
+        blk = self.head_block or 0
         base = self.verify.predict(verify_x(B, 0, 0, prefill_tokens)) + sunk_ms
         plain_rate = B / max(base, 1e-9)
         best = Plan([SeqChoice() for _ in range(B)], plain_rate, plain_rate)
@@ -159,6 +213,25 @@ class Controller:
         for opts in options:
             for o in opts:
                 users[o.drafter] = users.get(o.drafter, 0) + 1
+        # Per option, the expected tokens and head rows of each k: they do not depend on the rate, so
+        # they are computed once, not per iteration (this runs every engine step).
+        curves: list[list[tuple[list[float], list[float]]]] = []
+        for opts in options:
+            cs = []
+            for o in opts:
+                cums, heads = [], []
+                cum, P, reach = 0.0, 1.0, 1.0
+                for k in range(1, o.n + 1):
+                    P *= o.acc(k - 1)
+                    if P < 1e-4 and k > 1:  # a token this unlikely to be reached gains nothing
+                        break
+                    cum += P
+                    if k == blk:
+                        reach = P  # a long draft's rows past its first block: computed if that block held
+                    cums.append(cum)
+                    heads.append(head_rows(k, reach, blk) if blk else float(k))
+                cs.append((cums, heads))
+            curves.append(cs)
         margin = float("-inf")
         for it in range(iterations):
             marginal: dict[int, float] = {}
@@ -169,35 +242,38 @@ class Controller:
                 marginal[d] = c_tok + tP / s + tPS
                 fixed[d] = c_chunk + (t1 + tS) / s
             choices = []
-            for opts in options:
+            for opts, cs in zip(options, curves):
                 pick, best_v = SeqChoice(), 0.0
-                for o in opts:
+                for o, (cums, heads) in zip(opts, cs):
                     per_tok = c_tok if o.sunk else marginal[o.drafter]
                     start = c_chunk if o.sunk else fixed[o.drafter]
-                    thresh = R * per_tok
-                    cum, P = 0.0, 1.0
-                    for k in range(1, o.n + 1):
-                        P *= o.acc(k - 1)
-                        if P < thresh and k > 1:  # E's increments only shrink and the cost's do not
-                            break
-                        cum += P
-                        v = cum - R * (k * per_tok + start)
-                        if it == 0 and v > margin:
-                            margin = v
-                        if v > best_v:
-                            pick, best_v = SeqChoice(o.drafter, k, cum), v
+                    r_tok, r_start, r_head = R * per_tok, R * start, R * c_head
+                    best_k, bv = 0, float("-inf")
+                    for k, (cum, head) in enumerate(zip(cums, heads), 1):
+                        v = cum - r_tok * k - r_head * head
+                        if v > bv:
+                            best_k, bv = k, v
+                    if not best_k:
+                        continue
+                    bv -= r_start
+                    if it == 0 and bv > margin:
+                        margin = bv
+                    if bv > best_v:
+                        pick, best_v = SeqChoice(o.drafter, best_k, cums[best_k - 1], heads[best_k - 1]), bv
                 choices.append(pick)
             # The plan's real predicted time: shared drafting cost by positions and users, not shares.
             per_d: dict[int, list[int]] = {}
             K = M = 0
+            Hd = 0.0
             for c, opts in zip(choices, options):
                 if c.drafter is None or c.k == 0:
                     continue
                 K += c.k
                 M += 1
+                Hd += c.head
                 if not next(o for o in opts if o.drafter == c.drafter).sunk:
                     per_d.setdefault(c.drafter, []).append(c.k)
-            t = self.verify.predict(verify_x(B, K, M, prefill_tokens)) + sunk_ms
+            t = self.verify.predict(verify_x(B, K, M, prefill_tokens, Hd)) + sunk_ms
             t += sum(self.draft_time(d, max(ks), len(ks)) for d, ks in per_d.items())
             rate = (B + sum(c.gain for c in choices)) / max(t, 1e-9)
             users = {d: len(ks) for d, ks in per_d.items()}

@@ -42,10 +42,10 @@ from dspark.llm.config import SpeculativeConfig
 from dspark.llm.model import SeqChunk
 from dspark.llm.sampling import distribution, sample
 from dspark.llm.scheduler import ScheduledChunk, Sequence, Status
-from dspark.llm.spec_controller import RLS, Controller, Option, Plan, draft_x, fit, verify_x
+from dspark.llm.spec_controller import RLS, Controller, Option, Plan, VerifyCost, draft_x, fit, verify_x
 from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tokenizer_fingerprint
-from dspark.llm.spec_predictor import AcceptancePredictor, features
-from dspark.llm.spec_verify import accept_greedy, accept_sampling
+from dspark.llm.spec_predictor import AcceptancePredictor, along, features
+from dspark.llm.spec_verify import HEAD_BLOCK, accept_greedy_blocks, accept_sampling
 from dspark.log import get_logger
 from dspark.plugin_manager import BUILTINS
 from dspark.types import Draft, DraftRequest, TargetModel
@@ -130,6 +130,7 @@ class _Req:
     rep: float  # prompt repetitiveness: share of its 2-grams seen earlier in it
     hist: list[float]  # per drafter, EMA of per-token acceptance
     conf: list[float]  # per drafter, EMA of draft confidence
+    run: list[int] = field(default_factory=list)  # per drafter, tokens accepted since its last rejection
     open_ended: bool = False
 
 
@@ -142,6 +143,11 @@ class _Pending:
     q: torch.Tensor | None
     xs: list[list[float]]  # features per drafted token
     preds: list[float]  # predicted acceptance per drafted token, before the outcome
+
+
+def _copy_out(dr: Draft, seq: Sequence) -> float:
+    """1 when a draft is a copy of the text generated so far, 0 for a copy of the prompt or no copy."""
+    return 1.0 if dr.source is not None and dr.source >= len(seq.prompt_ids) else 0.0
 
 
 def repetitiveness(ids: list[int]) -> float:
@@ -238,7 +244,7 @@ class SpecDecoder:
             self._calibrate()
             if self.controller is None:
                 self._prior_costs(None)
-                self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+                self.controller = self._make_controller()
         log.info("spec.ready", strategy=self.strategy, drafters=[h.name for h in self.handles],
                  fixed=self.fixed.name if self.fixed else None)
 
@@ -314,7 +320,7 @@ class SpecDecoder:
         nseq = max(0, min(4, cache.allocator.num_free // per))
         if nseq == 0:
             self._prior_costs(None)
-            self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+            self.controller = self._make_controller()
             return
         ids = [f"__spec_cal_{i}" for i in range(nseq)]
         ctx = {s: (pattern[i:] + pattern[:i]) * (ctx_len // len(pattern)) for i, s in enumerate(ids)}
@@ -336,11 +342,22 @@ class SpecDecoder:
                 t0 = time.perf_counter()
                 runner.step(cache, [SeqChunk(s, ctx[s][:-1])])
                 prefill_ms.append((time.perf_counter() - t0) * 1e3)
-            configs = [(1, 0), (1, 1), (1, 2), (1, 4), (1, kmax), (nseq, 0), (nseq, 2), (nseq, 4)]
+            # (sequences, drafted tokens each, logits for every row or only the first block): the two
+            # kinds of long verification separate a drafted token's layers from its head row.
+            configs = [(1, 0, True), (1, 1, True), (1, 2, True), (1, 4, True), (1, kmax, True), (1, kmax, False),
+                       (nseq, 0, True), (nseq, 2, True), (nseq, 4, True)]
+            if kmax > 2 * HEAD_BLOCK:
+                configs.append((1, kmax // 2, False))
 
-            def fwd(B: int, k: int) -> None:
+            def head_rows(B: int, k: int, full: bool) -> int:
+                return B * (k if full else min(k + 1, HEAD_BLOCK) - 1)
+
+            def fwd(B: int, k: int, full: bool) -> None:
                 sel = ids[:B]
-                runner.step(cache, [SeqChunk(s, [ctx[s][-1]] * (1 + k), all_logits=k > 0) for s in sel])
+                out = runner.step(cache, [SeqChunk(s, [ctx[s][-1]] * (1 + k), all_logits=k > 0, hidden_only=k > 0)
+                                          for s in sel])
+                if k > 0:
+                    torch.argmax(runner.head(torch.cat([h if full else h[:HEAD_BLOCK] for h in out])), dim=-1)
                 for s in sel:
                     cache.truncate(s, 1 + k)
 
@@ -352,15 +369,16 @@ class SpecDecoder:
                     t0 = time.perf_counter()
                     fwd(*c)
                     times[c].append((time.perf_counter() - t0) * 1e3)
-            for (B, k), ts in times.items():
-                xs.append(verify_x(B, B * k, B if k else 0, 0))
+            for (B, k, full), ts in times.items():
+                xs.append(verify_x(B, B * k, B if k else 0, 0, head_rows(B, k, full)))
                 ys.append(_low(ts))
             t1 = ys[0]
-            prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0]
+            prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0, 0.05 * t1]
             theta = fit(xs, ys, prior)
             # Prefill tokens: what a prefill step costs beyond an empty step, per token.
             theta[4] = max(0.0, (statistics.median(prefill_ms) - theta[0]) / (ctx_len - 1))
-            self.calibration["verify_ms"] = {f"B{x[1]:.0f}+{x[2]:.0f}": round(y, 3) for x, y in zip(xs, ys)}
+            self.calibration["verify_ms"] = {f"B{x[1]:.0f}+{x[2]:.0f}" + ("" if x[5] == x[2] else f" head {x[5]:.0f}"):
+                                             round(y, 3) for x, y in zip(xs, ys)}
             self._prior_costs(theta)
             for h in self.handles:
                 dx, dy = [], []
@@ -393,12 +411,15 @@ class SpecDecoder:
                 for h in self.handles:
                     self._tell(h, "release", s)
             if self.controller is None and hasattr(self, "verify_cost"):
-                self.controller = Controller(self.verify_cost, [h.cost for h in self.handles])  # type: ignore[misc]
+                self.controller = self._make_controller()
+
+    def _make_controller(self) -> Controller:
+        return Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK)  # type: ignore[misc]
 
     def _prior_costs(self, theta: list[float] | None) -> None:
         if theta is None:  # no room to measure: a neutral prior, corrected online
-            theta = [10.0, 0.5, 0.5, 0.5, 0.1]
-        self.verify_cost = RLS(theta, [(0.5 * max(v, 0.02 * theta[0])) ** 2 for v in theta])
+            theta = [10.0, 0.5, 0.5, 0.5, 0.1, 0.2]
+        self.verify_cost = VerifyCost(theta, [(0.5 * max(v, 0.02 * theta[0])) ** 2 for v in theta])
         for h in self.handles:
             if h.cost is None:
                 h.cost = RLS([0.1, 0.1 * theta[0], 0.0, 0.0], [(0.1 * theta[0]) ** 2] * 4)
@@ -409,7 +430,7 @@ class SpecDecoder:
         if st is None:
             rep = repetitiveness(seq.prompt_ids[-512:])
             n = len(self.handles)
-            st = _Req(rep, list(self.predictor.mean), [0.5] * n, open_ended=rep < _OPEN_ENDED)
+            st = _Req(rep, list(self.predictor.mean), [0.5] * n, [0] * n, open_ended=rep < _OPEN_ENDED)
             self.reqs[seq.request_id] = st
         return st
 
@@ -436,32 +457,37 @@ class SpecDecoder:
             pend = self._draft(dec, prefill_tokens)
         chunks = []
         n_drafted = 0
+        greedy: list[int] = []  # chunks verified greedily: their logits are computed block by block
         for p in planned:
             s = p.seq
             ids = s.all_ids[s.num_computed:s.num_computed + p.num_tokens]
             d = pend.get(s.request_id)
             if d is not None and d.tokens:
-                chunks.append(SeqChunk(s.request_id, ids + d.tokens, all_logits=True))
+                if s.params.greedy:
+                    greedy.append(len(chunks))
+                chunks.append(SeqChunk(s.request_id, ids + d.tokens, all_logits=True, hidden_only=s.params.greedy))
                 n_drafted += len(d.tokens)
             else:
                 chunks.append(SeqChunk(s.request_id, ids))
         t0 = time.perf_counter()
         logits = eng.runner.step(eng.cache, chunks)
+        verdict: dict[int, tuple[list[int], int, int]] = {}
+        n_head = n_drafted
+        if greedy:
+            got = accept_greedy_blocks([pend[chunks[i].seq_id].tokens for i in greedy], [logits[i] for i in greedy],
+                                       eng.runner.head)
+            verdict = dict(zip(greedy, got))
+            n_head -= sum(len(chunks[i].token_ids) - rows for i, (_, _, rows) in verdict.items())
         fwd_ms = (time.perf_counter() - t0) * 1e3
         if self.controller is not None:
-            x = verify_x(len(dec), n_drafted, sum(1 for d in pend.values() if d.tokens), prefill_tokens)
+            x = verify_x(len(dec), n_drafted, sum(1 for d in pend.values() if d.tokens), prefill_tokens, n_head)
             if prefill_tokens:
-                # Prefill's cost is not linear enough to share the decode model's fit: only its per-token
-                # coefficient follows what these steps cost beyond the decode part.
-                th = self.verify_cost.theta
-                rest = fwd_ms - self.verify_cost.predict(x[:4] + [0.0])
-                th[4] += 0.2 * (max(rest, 0.0) / prefill_tokens - th[4])
-            elif n_drafted or self.steps % 4 == 0:
-                # Steps that draft teach most; plain ones (the same point again and again) now and then.
+                self.verify_cost.update_prefill(x, fwd_ms)
+            else:
                 self.verify_cost.update(x, fwd_ms)
         outputs = []
         used: set[int] = set()
-        for p, lg in zip(planned, logits):
+        for ci, (p, lg) in enumerate(zip(planned, logits)):
             seq = p.seq
             rid = seq.request_id
             d = pend.get(rid)
@@ -479,8 +505,8 @@ class SpecDecoder:
                 used.add(d.handle.idx)
                 k = len(d.tokens)
                 gen = seq.generator or eng._default_gen
-                if seq.params.greedy:
-                    toks, n_acc = accept_greedy(d.tokens, lg)
+                if ci in verdict:
+                    toks, n_acc, _ = verdict[ci]
                 else:
                     toks, n_acc = accept_sampling(d.tokens, d.q, distribution(lg, seq.params), gen)
                 seq.num_computed += 1 + n_acc
@@ -519,6 +545,7 @@ class SpecDecoder:
         st = self.reqs.get(seq.request_id)
         if st is not None:
             st.hist[h.idx] += 0.3 * (n_acc / seen - st.hist[h.idx])
+            st.run[h.idx] = st.run[h.idx] + n_acc if n_acc == k else 0
 
     # -- drafting -----------------------------------------------------------
     def _draft(self, dec: list[ScheduledChunk], prefill_tokens: int) -> dict[str, _Pending]:
@@ -603,10 +630,11 @@ class SpecDecoder:
             q = None
         conf = list(dr.confidence[: len(toks)]) if dr.confidence is not None else None
         ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
+        c_out = _copy_out(dr, seq)
         xs, preds = [], []
         for j in range(len(toks)):
             c = conf[j] if conf is not None else st.conf[h.idx]
-            x = features(c, st.hist[h.idx], j + 1, st.rep, ctx_len)
+            x = features(c, st.hist[h.idx], j + 1, st.rep, ctx_len, st.run[h.idx], c_out)
             xs.append(x)
             preds.append(self.predictor.predict(h.idx, x))
         if conf:
@@ -621,7 +649,7 @@ class SpecDecoder:
         state = [1.0]
 
         def keep(j: int, conf: float) -> bool:
-            a = self.predictor.predict(h.idx, features(conf, st.hist[h.idx], j, st.rep, ctx_len))
+            a = self.predictor.predict(h.idx, features(conf, st.hist[h.idx], j, st.rep, ctx_len, st.run[h.idx]))
             state[0] *= a
             return state[0] * a >= thresh
 
@@ -639,19 +667,21 @@ class SpecDecoder:
             if cap > 0:
                 ctx_len = len(s.prompt_ids) + len(s.output_ids)
                 for h in live:
+                    c_out = 0.0
                     if h.idx in probed:
                         dr = probed[h.idx][i]
                         n = min(len(dr.tokens), cap)
                         if n == 0:
                             continue
                         c = dr.confidence[0] if dr.confidence else st.conf[h.idx]
+                        c_out = _copy_out(dr, s)
                     else:
                         n, c = cap, st.conf[h.idx]
-                    x = features(c, st.hist[h.idx], 1, st.rep, ctx_len)
+                    x = features(c, st.hist[h.idx], 1, st.rep, ctx_len, st.run[h.idx], c_out)
                     w = pred.models[h.idx].w
-                    # Only the position feature (index 4, pos / 8) changes along the draft.
+                    dz, dlog = along(w)  # only the position terms change along the draft
                     opts.append(Option(h.idx, None, sunk=h.idx in probed, n=n,
-                                       z0=sum(wi * xi for wi, xi in zip(w, x)), dz=w[4] / 8.0))
+                                       z0=sum(wi * xi for wi, xi in zip(w, x)), dz=dz, dlog=dlog))
                     # Unused drafters' histories drift back to the overall mean: a bad streak is not forever.
                     st.hist[h.idx] += 0.05 * (pred.mean[h.idx] - st.hist[h.idx])
             options.append(opts)

@@ -25,12 +25,13 @@ import dspark
 from dspark.llm import LLM, SamplingParams
 from dspark.llm.config import EngineConfig
 from dspark.llm.sampling import distribution
-from dspark.llm.spec_controller import RLS, Controller, Option
-from dspark.llm.spec_predictor import AcceptancePredictor, features
-from dspark.llm.spec_verify import accept_greedy, accept_sampling
+from dspark.llm.spec_controller import RLS, Controller, Option, VerifyCost, verify_x
+from dspark.llm.spec_predictor import AcceptancePredictor, along, features
+from dspark.llm.spec_verify import accept_greedy, accept_greedy_blocks, accept_sampling, head_rows, split
 from dspark.plugin_manager import PluginHost
 from dspark.settings import PluginSettings
-from dspark.types import Draft, DrafterSpec, TargetModel
+from dspark.builtin.ngram import PromptLookupDrafter
+from dspark.types import Draft, DrafterSpec, DraftRequest, TargetModel
 
 
 @pytest.fixture(scope="session")
@@ -281,6 +282,35 @@ def test_greedy_acceptance_is_the_matching_prefix_then_the_target_token() -> Non
     assert accept_greedy([0], logits[:2]) == ([3], 0)
 
 
+def test_blockwise_greedy_verification_equals_whole_and_stops_at_the_first_mismatch() -> None:
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(16, 40, generator=g)  # a toy head: 16-wide hidden rows -> 40 logits
+    calls: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h @ W
+
+    hidden, drafts, whole = [], [], []
+    for n_match, k in [(0, 20), (3, 20), (8, 20), (20, 20), (5, 5), (2, 9)]:
+        h = torch.randn(k + 1, 16, generator=g)
+        best = torch.argmax(h @ W, dim=-1).tolist()
+        d = best[:n_match] + [(b + 1) % 40 for b in best[n_match:k]]  # matches the first n_match rows
+        hidden.append(h)
+        drafts.append(d)
+        whole.append(accept_greedy(d, h @ W))
+    got = accept_greedy_blocks(drafts, hidden, head, block=4)
+    for (toks, n, rows), (w_toks, w_n), d in zip(got, whole, drafts):
+        assert (toks, n) == (w_toks, w_n)
+        # Long drafts (over two blocks): logits through the first block, the rest only if it held.
+        assert rows == (4 if split(len(d), 4) and n < 4 else len(d) + 1)
+    # ... in two head calls: every draft's first block (a short draft's every row), then the rest of
+    # the long ones that held through their first block
+    assert calls == [sum(4 if split(len(d), 4) else len(d) + 1 for d in drafts),
+                     sum(len(d) + 1 - 4 for (_, n, _), d in zip(got, drafts) if n >= 4 and split(len(d), 4))]
+    assert [split(len(d), 4) for d in drafts] == [True, True, True, True, False, True]
+
+
 def test_distribution_matches_the_sampler() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(9, generator=g)
@@ -345,16 +375,17 @@ def test_the_controllers_view_of_a_draft_matches_the_predictor_at_every_position
     disagree past 16 tokens)."""
     pred = AcceptancePredictor(1)
     rng = random.Random(0)
-    for _ in range(400):  # acceptance falling with the position, so the position weight is non-zero
+    for _ in range(400):  # acceptance falling with the position, so the position weights are non-zero
         pos = rng.randint(1, 64)
-        x = features(0.8, 0.7, pos, 0.3, 300)
+        x = features(0.8, 0.7, pos, 0.3, 300, run=5)
         pred.observe(0, x, pred.predict(0, x), rng.random() < 0.95 - 0.01 * pos)
     w = pred.models[0].w
-    assert w[4] < 0
-    x1 = features(0.8, 0.7, 1, 0.3, 300)
-    o = Option(0, None, n=64, z0=sum(a * b for a, b in zip(w, x1)), dz=w[4] / 8.0)
+    dz, dlog = along(w)
+    assert dz != 0 and dlog != 0
+    x1 = features(0.8, 0.7, 1, 0.3, 300, run=5)
+    o = Option(0, None, n=64, z0=sum(a * b for a, b in zip(w, x1)), dz=dz, dlog=dlog)
     for j in range(64):
-        assert o.acc(j) == pytest.approx(pred.predict(0, features(0.8, 0.7, j + 1, 0.3, 300)), abs=1e-9)
+        assert o.acc(j) == pytest.approx(pred.predict(0, features(0.8, 0.7, j + 1, 0.3, 300, run=5)), abs=1e-9)
 
 
 def test_predictor_learns_and_its_calibration_improves() -> None:
@@ -383,7 +414,7 @@ def test_predictor_learns_and_its_calibration_improves() -> None:
 
 
 def _controller(step_ms: float, per_token_ms: float, draft_ms_per_pos: float, per_row_ms: float = 0.2) -> Controller:
-    verify = RLS([step_ms, per_row_ms, per_token_ms, 0.3, 0.05], [1.0] * 5)
+    verify = RLS([step_ms, per_row_ms, per_token_ms, 0.3, 0.05, 0.0], [1.0] * 6)
     draft = RLS([0.05, draft_ms_per_pos, 0.0, 0.0], [1.0] * 4)
     lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
     return Controller(verify, [draft, lookup])
@@ -624,3 +655,62 @@ def test_call_guard_workers_end_with_their_guard() -> None:
         hung(threading.Event().wait, 30)
     with pytest.raises(DrafterTimeout, match="an earlier wait never returned"):
         hung(int)
+
+
+def test_verify_cost_tells_a_steps_fixed_cost_from_draftings_when_nearly_every_step_drafts() -> None:
+    # Truth: a plain step 5 ms, drafting adds 1.5 ms per verify chunk, 0.25 ms per drafted token, 0.1 ms
+    # per head row. One sequence, so every drafted step has B = 1 and M = 1; one step in ten is plain.
+    cost = VerifyCost([8.0, 0.3, 0.2, 0.0, 0.1, 0.1], [4.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    rng = random.Random(0)
+    for i in range(600):
+        k = 0 if i % 10 == 0 else rng.randint(1, 32)
+        h = k if k < 16 else rng.choice([7, k])
+        truth = 5.0 + (1.5 + 0.25 * k + 0.1 * h if k else 0.0)
+        cost.update(verify_x(1, k, 1 if k else 0, 0, h), truth * (1 + 0.02 * rng.uniform(-1, 1)))
+    plain = cost.predict(verify_x(1, 0, 0, 0))
+    assert plain == pytest.approx(5.0, rel=0.05)
+    assert cost.predict(verify_x(1, 1, 1, 0, 1)) - plain == pytest.approx(1.85, abs=0.25)
+    assert cost.predict(verify_x(1, 32, 1, 0, 7)) == pytest.approx(5.0 + 1.5 + 8.0 + 0.7, rel=0.05)
+    # Prefill's per-token coefficient follows what a prefill step cost beyond the decode part.
+    for _ in range(40):
+        cost.update_prefill(verify_x(0, 0, 0, 100), 5.0 + 100 * 0.3)
+    assert cost.theta[4] == pytest.approx(0.3, rel=0.05)
+
+
+def test_lookup_drafts_say_where_they_were_copied_from() -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    d = PromptLookupDrafter()
+    ctx = prompt + [6, 7]  # the output repeats the prompt: the copy comes from the prompt
+    one = d.propose(ctx, 3)
+    batch = d.propose_batch([DraftRequest("s", ctx, 3)])[0]
+    assert one.tokens == batch.tokens == [8, 9, 10] and one.source == batch.source == 3
+    ctx = prompt + [20, 21, 22, 23, 20, 21]  # the output loops on itself: copied from the output
+    one = d.propose(ctx, 3)
+    batch = d.propose_batch([DraftRequest("s", ctx, 3)])[0]
+    assert one.tokens == batch.tokens == [22, 23, 20] and one.source == batch.source == 9 >= len(prompt)
+    assert d.propose([1, 2, 3], 3).source is None and d.propose_batch([DraftRequest("t", [1, 2, 3], 3)])[0].source is None
+
+
+def test_the_predictor_learns_that_copies_of_the_output_hold_better_than_copies_of_the_prompt() -> None:
+    pred = AcceptancePredictor(1)
+    rng = random.Random(1)
+    for _ in range(3000):
+        out = float(rng.random() < 0.5)
+        x = features(0.6, 0.6, rng.randint(1, 16), 0.5, 300, 0, out)
+        pred.observe(0, x, pred.predict(0, x), rng.random() < (0.95 if out else 0.4))
+    from_out = pred.predict(0, features(0.6, 0.6, 4, 0.5, 300, 0, 1.0))
+    from_prompt = pred.predict(0, features(0.6, 0.6, 4, 0.5, 300, 0, 0.0))
+    assert from_out > 0.85 and from_prompt < 0.55
+
+
+def test_the_controller_prices_head_rows_only_where_verification_computes_them() -> None:
+    # A head row costs as much as a drafted token's layers. Blockwise verification computes a long
+    # draft's rows past its first block only if that block held, so long drafts with a shaky start
+    # cost less than with the head over every row, and the controller drafts longer for them.
+    verify = RLS([5.0, 0.3, 0.25, 1.0, 0.05, 0.25], [1.0] * 6)
+    lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
+    shaky = [[Option(0, [0.5] + [0.95] * 31, sunk=True)]]
+    whole = Controller(verify, [lookup]).choose(shaky).choices[0]
+    blocks = Controller(verify, [lookup], head_block=8).choose(shaky).choices[0]
+    assert blocks.k > whole.k > 0
+    assert whole.head == whole.k and blocks.head == pytest.approx(head_rows(blocks.k, 0.5 * 0.95 ** 7, 8))
