@@ -98,6 +98,9 @@ class VerifyCost:
         self.plain = RLS(theta[:2], var[:2])
         self.drafting = RLS([theta[2], theta[3], theta[5]], [var[2], var[3], var[5]])
         self.prefill = float(theta[4])
+        # The least drafting can plausibly add: 80% of what the startup calibration measured (at a short
+        # context; drafted rows cost more, not less, at longer ones).
+        self.floor = [0.8 * theta[2], 0.8 * theta[3], 0.8 * theta[5]]
 
     @property
     def theta(self) -> list[float]:
@@ -111,8 +114,17 @@ class VerifyCost:
         """One timed forward without prefill."""
         if x[2] == 0:
             self.plain.update(x[:2], y)
+            return
+        xd = [x[2], x[3], x[5]]
+        rest = y - self.plain.predict(x[:2])
+        floor = sum(f * v for f, v in zip(self.floor, xd))
+        if rest >= floor:
+            self.drafting.update(xd, rest)
         else:
-            self.drafting.update([x[2], x[3], x[5]], y - self.plain.predict(x[:2]))
+            # A drafted step too cheap for the plain part's estimate: that estimate is what is wrong (a
+            # slow spell it learned from), and once it is too high drafting always looks free, so plain
+            # steps, the only ones that would correct it, stop coming. The drafted step corrects it.
+            self.plain.update(x[:2], y - max(self.drafting.predict(xd), floor))
 
     def update_prefill(self, x: list[float], y: float, rate: float = 0.2) -> None:
         """A forward with prefill tokens: only the per-token coefficient follows what it cost beyond

@@ -714,3 +714,18 @@ def test_the_controller_prices_head_rows_only_where_verification_computes_them()
     blocks = Controller(verify, [lookup], head_block=8).choose(shaky).choices[0]
     assert blocks.k > whole.k > 0
     assert whole.head == whole.k and blocks.head == pytest.approx(head_rows(blocks.k, 0.5 * 0.95 ** 7, 8))
+
+
+def test_verify_cost_recovers_from_a_plain_estimate_learned_in_a_slow_spell() -> None:
+    # The plain part learned 12 ms in a slow spell; from then on every step drafts (plain steps would
+    # correct it, but with drafting looking free none come). Drafted steps alone must bring it back.
+    cost = VerifyCost([5.0, 0.0, 0.25, 1.5, 0.1, 0.1], [4.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    for _ in range(30):
+        cost.update(verify_x(1, 0, 0, 0), 12.0)
+    assert cost.predict(verify_x(1, 0, 0, 0)) > 9.0
+    rng = random.Random(2)
+    for _ in range(300):
+        k = rng.randint(1, 32)
+        cost.update(verify_x(1, k, 1, 0, k), 5.0 + 1.5 + 0.35 * k)
+    assert cost.predict(verify_x(1, 0, 0, 0)) < 6.5
+    assert cost.predict(verify_x(1, 8, 1, 0, 8)) == pytest.approx(5.0 + 1.5 + 0.35 * 8, rel=0.1)
