@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,8 +142,10 @@ class _Pending:
     handle: Handle
     tokens: list[int]
     q: torch.Tensor | None
-    xs: list[list[float]]  # features per drafted token
-    preds: list[float]  # predicted acceptance per drafted token, before the outcome
+    # Features of drafted token j (0-based), as they stood when it was drafted. Only the tokens that
+    # verification judged (up to the first rejection) are ever featurised and predicted, at learning
+    # time and before their outcome is learned: on a long draft, most tokens never are.
+    x_of: Callable[[int], list[float]] | None = None
 
 
 def _copy_out(dr: Draft, seq: Sequence) -> float:
@@ -540,8 +543,11 @@ class SpecDecoder:
         h.stats.draft_tokens += k
         h.stats.accepted_tokens += n_acc
         seen = min(n_acc + 1, k)  # tokens after the first rejection were never judged
+        assert d.x_of is not None
+        pred = self.predictor
         for j in range(seen):
-            self.predictor.observe(h.idx, d.xs[j], d.preds[j], j < n_acc)
+            x = d.x_of(j)
+            pred.observe(h.idx, x, pred.predict(h.idx, x), j < n_acc)
         st = self.reqs.get(seq.request_id)
         if st is not None:
             st.hist[h.idx] += 0.3 * (n_acc / seen - st.hist[h.idx])
@@ -617,7 +623,7 @@ class SpecDecoder:
             rid = seqs[i].request_id
             h_i = chosen[i][0]
             if k > 0 and rid not in pend and h_i is not None:
-                pend[rid] = _Pending(h_i, [], None, [], [])
+                pend[rid] = _Pending(h_i, [], None)
         return pend
 
     def _pending(self, pend: dict[str, _Pending], i: int, seq: Sequence, st: _Req, h: Handle, dr: Draft,
@@ -630,16 +636,16 @@ class SpecDecoder:
             q = None
         conf = list(dr.confidence[: len(toks)]) if dr.confidence is not None else None
         ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
-        c_out = _copy_out(dr, seq)
-        xs, preds = [], []
-        for j in range(len(toks)):
-            c = conf[j] if conf is not None else st.conf[h.idx]
-            x = features(c, st.hist[h.idx], j + 1, st.rep, ctx_len, st.run[h.idx], c_out)
-            xs.append(x)
-            preds.append(self.predictor.predict(h.idx, x))
+        args = (st.hist[h.idx], st.rep, ctx_len, st.run[h.idx], _copy_out(dr, seq))
+        mean_c = st.conf[h.idx]
+
+        def x_of(j: int) -> list[float]:
+            hist, rep, n_ctx, run, c_out = args
+            return features(conf[j] if conf is not None else mean_c, hist, j + 1, rep, n_ctx, run, c_out)
+
         if conf:
             st.conf[h.idx] += 0.2 * (sum(conf) / len(conf) - st.conf[h.idx])
-        pend[seq.request_id] = _Pending(h, toks, q, xs, preds)
+        pend[seq.request_id] = _Pending(h, toks, q, x_of)
 
     def _keep_going(self, seq: Sequence, st: _Req, h: Handle) -> Any:
         """Early stop inside a drafter: continue while the next token's expected gain pays its time."""
