@@ -6,8 +6,9 @@ knows what the step will cost (measured, never assumed):
 
 - verify: the target's forward time as a linear function of
   ``[1, decode rows B, drafted tokens K, verify chunks M, prefill tokens,
-  head rows Hd]``, fitted by recursive least squares on every step (prior
-  from a startup calibration of the real model on this machine). Greedy
+  head rows Hd]``, fitted by recursive least squares on every step in two
+  parts, a plain step and what drafting adds (``VerifyCost``), with the prior
+  from a startup calibration of the real model on this machine. Greedy
   verification computes the LM head over a long draft's first block of rows
   (spec_verify.HEAD_BLOCK) and over the rest only if the first block held,
   so Hd, the drafted rows that got logits, is below K when drafts break
