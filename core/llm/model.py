@@ -79,6 +79,15 @@ EMBED, HEAD = "model.embed_tokens", "lm_head"
 # slower for prefill-sized batches. Narrowing ones (o, down) are faster as F.linear.
 
 
+def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each chunk's positions among the rows that went through the final norm."""
+    out, o = [], 0
+    for r in rows:
+        out.append(torch.arange(o, o + len(r)))
+        o += len(r)
+    return out
+
+
 def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """A float projection: one row through the plain weight (GEMV), more through the packed copy."""
     if packed is not None and x.shape[0] > 1:
@@ -476,22 +485,18 @@ class ModelRunner:
             x, sel = x.to(self.norm.device), sel.to(self.norm.device)
         hn = self._rms(x[sel], self.norm)
         lazy = [ch.all_logits and ch.hidden_only for ch in chunks]
-        if not any(lazy):
+        if any(lazy):  # the head only over the rows that want logits now
+            want = [r_ for r_, lz in zip(_spans(rows), lazy) if not lz]
+            logits = self.head(hn[torch.cat(want)]) if want else hn[:0]
+        else:
             logits = self.head(hn)
-        else:  # the head only over the rows that want logits now
-            want, o = [], 0
-            for ch, r, lz in zip(chunks, rows, lazy):
-                if not lz:
-                    want.append(torch.arange(o, o + len(r)))
-                o += len(r)
-            eager = self.head(hn[torch.cat(want)]) if want else None
         result, o, e = [], 0, 0
         for ch, r, lz in zip(chunks, rows, lazy):
             n = len(r)
             if lz:
                 result.append(hn[o : o + n])
             else:
-                part = logits[o : o + n] if not any(lazy) else eager[e : e + n]  # type: ignore[index]
+                part = logits[e : e + n]
                 e += n
                 result.append(part if ch.all_logits else part[0])
             o += n
