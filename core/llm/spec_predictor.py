@@ -17,7 +17,12 @@ geometric model), from:
   the text generated so far (measured on the embedded model's lookup drafts:
   copies of its own output broke at the first token 0-40% of the time,
   copies of the prompt ~70%, at every match length);
-- the context length.
+- the context length;
+- for a draft known before the choice (a lookup): how often this drafter's
+  token has held after this previous token, for this exact pair, learned
+  online across requests (``PairTable``): copies break at the same kinds of
+  places (after ``=``, at a new line's indentation, at a name that changes
+  between copies), and a pair seen to break before breaks again.
 
 It learns from every verified token (those after the first rejection are
 never seen, so they teach nothing) and keeps prequential calibration: each
@@ -30,16 +35,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-NUM_FEATURES = 10
+NUM_FEATURES = 11
 NUM_BUCKETS = 10
 MAX_POS = 64  # the largest max_k
 
 
 def features(conf: float, hist: float, pos: int, rep: float, ctx_len: int, run: int = 0,
-             copy_out: float = 0.0) -> list[float]:
+             copy_out: float = 0.0, pair: float = 0.0) -> list[float]:
     """conf, hist, rep in [0, 1]; pos >= 1 is the token's place in the draft; ``run``: tokens
     this drafter has had accepted since its last rejection for this request; ``copy_out``: 1 when
-    the draft is copied from the text generated so far, 0 from the prompt or not a copy."""
+    the draft is copied from the text generated so far, 0 from the prompt or not a copy; ``pair``:
+    the token pair's learned log-odds over the drafter's mean (``PairTable.value``), 0 if unknown."""
     # The position enters linearly and as a log: a copied continuation's hazard falls along the draft
     # (measured on lookup drafts here: 0.74 acceptance at the first token, 0.83 at the next three,
     # 0.95 up to 16, 0.98 beyond), which a linear term alone cannot follow. Neither is capped below
@@ -47,7 +53,43 @@ def features(conf: float, hist: float, pos: int, rep: float, ctx_len: int, run: 
     # its view and the predictor's differ.
     p = min(pos, MAX_POS)
     return [1.0, conf, conf * conf, hist, p / 8.0, rep, min(1.0, math.log2(max(ctx_len, 1)) / 10.0),
-            min(run, 64) / 64.0, math.log2(p) / 6.0, copy_out]
+            min(run, 64) / 64.0, math.log2(p) / 6.0, copy_out, pair]
+
+
+PAIR = 10  # the index of the pair feature: it varies along a draft, token by token
+
+
+class PairTable:
+    """Acceptance of drafted token ``tok`` after token ``prev``, counted per pair.
+
+    ``value`` is the pair's smoothed log-odds over the drafter's mean: 0 for a
+    pair never seen, moving away as it is seen (a pseudo-count of ``prior``
+    observations at the mean keeps one outcome from saying much). Bounded:
+    once ``max_pairs`` pairs are known, new pairs are not added (known ones
+    still learn).
+    """
+
+    def __init__(self, prior: float = 4.0, max_pairs: int = 1 << 17) -> None:
+        self.prior = prior
+        self.max_pairs = max_pairs
+        self.counts: dict[tuple[int, int], list[float]] = {}
+
+    def value(self, prev: int, tok: int, mean: float) -> float:
+        c = self.counts.get((prev, tok))
+        if c is None:
+            return 0.0
+        m = min(max(mean, 0.02), 0.98)
+        p = (c[0] + self.prior * m) / (c[1] + self.prior)
+        return math.log(p / (1.0 - p)) - math.log(m / (1.0 - m))
+
+    def add(self, prev: int, tok: int, accepted: bool) -> None:
+        c = self.counts.get((prev, tok))
+        if c is None:
+            if len(self.counts) >= self.max_pairs:
+                return
+            c = self.counts[(prev, tok)] = [0.0, 0.0]
+        c[0] += 1.0 if accepted else 0.0
+        c[1] += 1.0
 
 
 def along(w: list[float]) -> tuple[float, float]:
@@ -78,10 +120,13 @@ class OnlineLogistic:
     def predict(self, x: list[float]) -> float:
         return _sigmoid(sum(w * v for w, v in zip(self.w, x)))
 
-    def update(self, x: list[float], y: float) -> None:
-        err = self.predict(x) - y
+    def update(self, x: list[float], y: float, predicted: float | None = None) -> None:
+        """``predicted``: this model's prediction for ``x`` now, when the caller has it already."""
+        err = (self.predict(x) if predicted is None else predicted) - y
         w, g2, lr, l2 = self.w, self.g2, self.lr, self.l2
         for i, v in enumerate(x):
+            if v == 0.0 and not w[i]:
+                continue  # no gradient
             g = err * v + l2 * w[i]
             g2[i] += g * g
             w[i] -= lr * g / math.sqrt(g2[i])
@@ -124,6 +169,7 @@ class AcceptancePredictor:
     def __init__(self, num_drafters: int, priors: list[float] | None = None) -> None:
         priors = priors or [0.5] * num_drafters
         self.models = [OnlineLogistic(prior=p) for p in priors]
+        self.pairs = [PairTable() for _ in priors]
         self.calib = [Calibration() for _ in range(num_drafters)]
         self.total = Calibration()
         # Mean acceptance per drafter over everything seen: where a new request's history starts.
@@ -132,9 +178,16 @@ class AcceptancePredictor:
     def predict(self, d: int, x: list[float]) -> float:
         return self.models[d].predict(x)
 
-    def observe(self, d: int, x: list[float], predicted: float, accepted: bool) -> None:
+    def pair(self, d: int, prev: int, tok: int) -> float:
+        return self.pairs[d].value(prev, tok, self.mean[d])
+
+    def observe(self, d: int, x: list[float], predicted: float, accepted: bool,
+                pair: tuple[int, int] | None = None) -> None:
+        """Learn one verified token; ``pair``: (previous token, drafted token) when the pair feature is used."""
         y = 1.0 if accepted else 0.0
+        if pair is not None:
+            self.pairs[d].add(pair[0], pair[1], accepted)
         self.calib[d].add(predicted, y)
         self.total.add(predicted, y)
-        self.models[d].update(x, y)
+        self.models[d].update(x, y, predicted)
         self.mean[d] += 0.01 * (y - self.mean[d])

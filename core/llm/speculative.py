@@ -28,6 +28,7 @@ life; the step goes on without it.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from dspark.llm.sampling import distribution, sample
 from dspark.llm.scheduler import ScheduledChunk, Sequence, Status
 from dspark.llm.spec_controller import RLS, Controller, Option, Plan, VerifyCost, draft_x, fit, verify_x
 from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tokenizer_fingerprint
-from dspark.llm.spec_predictor import AcceptancePredictor, along, features
+from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, along, features
 from dspark.llm.spec_verify import HEAD_BLOCK, accept_greedy_blocks, accept_sampling
 from dspark.log import get_logger
 from dspark.plugin_manager import BUILTINS
@@ -146,6 +147,17 @@ class _Pending:
     # verification judged (up to the first rejection) are ever featurised and predicted, at learning
     # time and before their outcome is learned: on a long draft, most tokens never are.
     x_of: Callable[[int], list[float]] | None = None
+    # (previous token, drafted token) per drafted token, for drafters whose pairs are learned (lookups).
+    pairs: list[tuple[int, int]] | None = None
+
+
+def _last(seq: Sequence) -> int:
+    return int((seq.output_ids or seq.prompt_ids)[-1])
+
+
+def _pairs(last: int, toks: list[int]) -> list[tuple[int, int]]:
+    """(previous token, token) for each drafted token; the first follows the context's last token."""
+    return list(zip([last, *toks[:-1]], toks))
 
 
 def _copy_out(dr: Draft, seq: Sequence) -> float:
@@ -241,6 +253,9 @@ class SpecDecoder:
         self.explore_steps = 0
         self._quiet = 0.0
         self._explore_gap = _EXPLORE_FIRST
+        # Tokens per ms the engine sustains (an EMA over decode steps, wall time): what a drafted
+        # token's time is priced at (Controller.choose).
+        self.rate: float | None = None
         self.controller: Controller | None = None
         self.calibration: dict[str, Any] = {}
         if self.strategy == "deepspec" and self.handles:
@@ -490,6 +505,7 @@ class SpecDecoder:
                 self.verify_cost.update(x, fwd_ms)
         outputs = []
         used: set[int] = set()
+        n_before = sum(len(p.seq.output_ids) for p in dec)
         for ci, (p, lg) in enumerate(zip(planned, logits)):
             seq = p.seq
             rid = seq.request_id
@@ -533,7 +549,11 @@ class SpecDecoder:
             self.handles[i].stats.steps += 1
         if used:
             self.spec_steps += 1
-        eng.scheduler.record_step((time.perf_counter() - t_start) * 1e3)
+        step_ms = (time.perf_counter() - t_start) * 1e3
+        if self.controller is not None and dec and not prefill_tokens:
+            r = (sum(len(p.seq.output_ids) for p in dec) - n_before) / max(step_ms, 1e-6)
+            self.rate = r if self.rate is None else self.rate + 0.05 * (r - self.rate)
+        eng.scheduler.record_step(step_ms)
         return outputs
 
     def _learn(self, seq: Sequence, d: _Pending, n_acc: int) -> None:
@@ -547,7 +567,7 @@ class SpecDecoder:
         pred = self.predictor
         for j in range(seen):
             x = d.x_of(j)
-            pred.observe(h.idx, x, pred.predict(h.idx, x), j < n_acc)
+            pred.observe(h.idx, x, pred.predict(h.idx, x), j < n_acc, d.pairs[j] if d.pairs else None)
         st = self.reqs.get(seq.request_id)
         if st is not None:
             st.hist[h.idx] += 0.3 * (n_acc / seen - st.hist[h.idx])
@@ -638,14 +658,18 @@ class SpecDecoder:
         ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
         args = (st.hist[h.idx], st.rep, ctx_len, st.run[h.idx], _copy_out(dr, seq))
         mean_c = st.conf[h.idx]
+        pairs = _pairs(_last(seq), toks) if h.probe and toks else None
+        # The pairs' terms as they stand now, when the draft is chosen (the table learns before x_of runs).
+        pv = [self.predictor.pair(h.idx, a, b) for a, b in pairs] if pairs else None
 
         def x_of(j: int) -> list[float]:
             hist, rep, n_ctx, run, c_out = args
-            return features(conf[j] if conf is not None else mean_c, hist, j + 1, rep, n_ctx, run, c_out)
+            return features(conf[j] if conf is not None else mean_c, hist, j + 1, rep, n_ctx, run, c_out,
+                            pv[j] if pv else 0.0)
 
         if conf:
             st.conf[h.idx] += 0.2 * (sum(conf) / len(conf) - st.conf[h.idx])
-        pend[seq.request_id] = _Pending(h, toks, q, x_of)
+        pend[seq.request_id] = _Pending(h, toks, q, x_of, pairs)
 
     def _keep_going(self, seq: Sequence, st: _Req, h: Handle) -> Any:
         """Early stop inside a drafter: continue while the next token's expected gain pays its time."""
@@ -674,6 +698,8 @@ class SpecDecoder:
                 ctx_len = len(s.prompt_ids) + len(s.output_ids)
                 for h in live:
                     c_out = 0.0
+                    w = pred.models[h.idx].w
+                    extra = None
                     if h.idx in probed:
                         dr = probed[h.idx][i]
                         n = min(len(dr.tokens), cap)
@@ -681,17 +707,19 @@ class SpecDecoder:
                             continue
                         c = dr.confidence[0] if dr.confidence else st.conf[h.idx]
                         c_out = _copy_out(dr, s)
+                        if h.probe:  # the draft is known token by token: its pairs' terms too
+                            wp = w[PAIR]
+                            extra = [wp * pred.pair(h.idx, a, b) for a, b in _pairs(_last(s), dr.tokens[:n])]
                     else:
                         n, c = cap, st.conf[h.idx]
                     x = features(c, st.hist[h.idx], 1, st.rep, ctx_len, st.run[h.idx], c_out)
-                    w = pred.models[h.idx].w
-                    dz, dlog = along(w)  # only the position terms change along the draft
+                    dz, dlog = along(w)  # the position terms change along the draft, and the pairs'
                     opts.append(Option(h.idx, None, sunk=h.idx in probed, n=n,
-                                       z0=sum(wi * xi for wi, xi in zip(w, x)), dz=dz, dlog=dlog))
+                                       z0=sum(wi * xi for wi, xi in zip(w, x)), dz=dz, dlog=dlog, extra=extra))
                     # Unused drafters' histories drift back to the overall mean: a bad streak is not forever.
                     st.hist[h.idx] += 0.05 * (pred.mean[h.idx] - st.hist[h.idx])
             options.append(opts)
-        plan = self.controller.choose(options, prefill_tokens, sunk_ms)
+        plan = self.controller.choose(options, prefill_tokens, sunk_ms, rate=self.rate)
         self._plan = plan
         out = [(None if c.drafter is None else self.handles[c.drafter], c.k) for c in plan.choices]
         if any(options) and not any(k for _, k in out):
@@ -740,6 +768,26 @@ class SpecDecoder:
             self.calibration["self_exit_layer"] = {"chosen": new, **{str(e): m for e, m in obj.measured.items()}}
             log.info("spec.exit_layer", chosen=new, measured=obj.measured)
         self.exit_chosen = True
+
+    # -- learned state --------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of what DeepSpec has learned online: the acceptance predictor (with its pair tables
+        and calibration) and the verify and drafting cost models. For ``restore``: a benchmark that
+        times the same requests several times restores it before each pass, so no pass is measured
+        on requests DeepSpec has already learned from."""
+        return copy.deepcopy({"predictor": self.predictor, "verify_cost": getattr(self, "verify_cost", None),
+                              "draft_costs": [h.cost for h in self.handles], "rate": self.rate})
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        snap = copy.deepcopy(snap)  # the snapshot stays as it was, for the next restore
+        self.predictor = snap["predictor"]
+        if snap["verify_cost"] is not None:
+            self.verify_cost = snap["verify_cost"]
+        for h, c in zip(self.handles, snap["draft_costs"]):
+            h.cost = c
+        self.rate = snap["rate"]
+        if self.controller is not None:
+            self.controller = self._make_controller()
 
     # -- reporting ----------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from dspark.llm import LLM, SamplingParams
 from dspark.llm.config import EngineConfig
 from dspark.llm.sampling import distribution
 from dspark.llm.spec_controller import RLS, Controller, Option, VerifyCost, verify_x
-from dspark.llm.spec_predictor import AcceptancePredictor, along, features
+from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, PairTable, along, features
 from dspark.llm.spec_verify import accept_greedy, accept_greedy_blocks, accept_sampling, head_rows, split
 from dspark.plugin_manager import PluginHost
 from dspark.settings import PluginSettings
@@ -701,6 +701,127 @@ def test_the_predictor_learns_that_copies_of_the_output_hold_better_than_copies_
     from_out = pred.predict(0, features(0.6, 0.6, 4, 0.5, 300, 0, 1.0))
     from_prompt = pred.predict(0, features(0.6, 0.6, 4, 0.5, 300, 0, 0.0))
     assert from_out > 0.85 and from_prompt < 0.55
+
+
+def test_the_pair_table_says_nothing_of_an_unseen_pair_and_learns_a_seen_one() -> None:
+    t = PairTable(prior=4.0, max_pairs=3)
+    assert t.value(1, 2, 0.9) == 0.0
+    for _ in range(6):
+        t.add(1, 2, False)  # broke every time
+        t.add(3, 4, True)
+    t.add(5, 6, True)
+    assert t.value(1, 2, 0.9) < -2.0 < 0.0 < t.value(3, 4, 0.9)
+    assert t.value(5, 6, 0.9) == pytest.approx(math.log(0.92 / 0.08) - math.log(0.9 / 0.1))  # one sighting: a nudge
+    t.add(7, 8, False)  # full: a new pair is not kept, known ones still learn
+    assert (7, 8) not in t.counts and len(t.counts) == 3
+    t.add(5, 6, False)
+    assert t.counts[(5, 6)] == [1.0, 2.0]
+
+
+def test_the_predictor_learns_where_copies_break_from_token_pairs() -> None:
+    # Copies break after token 9 (a name that changes between copies, say), and hold elsewhere; the
+    # other features cannot tell the two apart, the pair can.
+    pred = AcceptancePredictor(1, priors=[0.8])
+    rng = random.Random(2)
+    for _ in range(3000):
+        prev = rng.choice([9, 10, 11, 12])
+        tok = rng.randrange(20, 24)
+        x = features(0.6, 0.7, rng.randint(1, 16), 0.5, 300, pair=pred.pair(0, prev, tok))
+        pred.observe(0, x, pred.predict(0, x), rng.random() < (0.3 if prev == 9 else 0.95), pair=(prev, tok))
+    assert pred.models[0].w[PAIR] > 0.5
+
+    def a(prev: int) -> float:
+        return pred.predict(0, features(0.6, 0.7, 4, 0.5, 300, pair=pred.pair(0, prev, 21)))
+
+    assert a(9) < 0.45 and a(10) > 0.9
+    assert pred.predict(0, features(0.6, 0.7, 4, 0.5, 300, pair=pred.pair(0, 99, 21))) > a(9)  # unseen: no verdict
+
+
+def test_the_controller_stops_a_draft_before_a_pair_that_breaks() -> None:
+    verify = RLS([5.0, 0.3, 0.25, 1.0, 0.05, 0.0], [1.0] * 6)
+    lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
+    c = Controller(verify, [lookup])
+    plain = c.choose([[Option(0, None, sunk=True, n=16, z0=3.0)]]).choices[0]
+    extra = [0.0] * 16
+    extra[5] = -8.0  # the sixth token follows a pair that broke every time it was drafted
+    stopped = c.choose([[Option(0, None, sunk=True, n=16, z0=3.0, extra=extra)]]).choices[0]
+    assert plain.k > 6 and stopped.k == 5
+
+
+def test_a_lookup_drafts_token_pairs_are_learned_once_per_judged_token(spec_llm: Callable[..., LLM],
+                                                                       plain_outputs: list[list[int]]) -> None:
+    llm = spec_llm({"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 4})
+    outs = llm.generate(_prompts(), [_greedy(n) for n in GREEDY_LENS])
+    assert [o.token_ids for o in outs] == plain_outputs
+    pred = llm.engine.spec.predictor
+    counts = pred.pairs[0].counts
+    assert counts and sum(c[1] for c in counts.values()) == pred.total.n  # every judged token, once
+    s = llm.stats()
+    assert sum(c[0] for c in counts.values()) == s.spec_accepted_tokens
+
+
+def test_deepspec_learned_state_is_restored_from_a_snapshot(spec_llm: Callable[..., LLM]) -> None:
+    llm = spec_llm({"strategy": "deepspec", "drafters": ["ngram"]})
+    spec = llm.engine.spec
+    snap = spec.snapshot()
+    w0, theta0 = list(spec.predictor.models[0].w), list(spec.verify_cost.theta)
+    for _ in range(50):  # learning moves the predictor, its pair table and the cost model
+        x = features(0.6, 0.7, 2, 0.5, 300, pair=spec.predictor.pair(0, 1, 2))
+        spec.predictor.observe(0, x, 0.5, False, pair=(1, 2))
+        spec.verify_cost.update(verify_x(1, 0, 0, 0), 3.0 * theta0[0])
+    assert spec.predictor.models[0].w != w0 and spec.verify_cost.theta != theta0
+    assert llm.generate([[7, 8, 9, 10, 11] * 5], _greedy(12))[0].token_ids
+    assert spec.rate is not None and spec.rate > 0  # the sustained rate, learned from decode steps
+    for _ in range(2):  # the snapshot itself is not consumed by a restore
+        spec.restore(snap)
+        assert spec.predictor.models[0].w == w0 and spec.verify_cost.theta == theta0 and spec.rate is None
+        assert not spec.predictor.pairs[0].counts and spec.controller.verify is spec.verify_cost
+        spec.predictor.observe(0, features(0.6, 0.7, 2, 0.5, 300), 0.5, True, pair=(3, 4))
+
+
+def test_the_controller_finds_the_best_drafter_and_length_for_one_sequence() -> None:
+    # Brute force over every (drafter, k): the controller's plan must reach the best predicted rate.
+    # Its curves stop at the first token that cannot pay at the lowest rate it prices at, which
+    # must never cut off the best choice (long drafts' head rows make the cost non-monotone in k).
+    rng = random.Random(4)
+    for _ in range(300):
+        verify = RLS([5.0 + 3 * rng.random(), 0.3, 0.2 + 0.2 * rng.random(), 0.5 + rng.random(), 0.05,
+                      0.2 * rng.random()], [1.0] * 6)
+        lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
+        model = RLS([0.05, 0.3 + 2 * rng.random(), 0.0, 0.0], [1.0] * 4)
+        a_look = [min(0.999, max(0.01, rng.gauss(0.8, 0.2))) for _ in range(32)]
+        a_model = [min(0.999, max(0.01, rng.gauss(0.5, 0.2))) for _ in range(32)]
+        opts = [Option(0, a_look, sunk=True), Option(1, a_model)]
+        plan = Controller(verify, [lookup, model], head_block=8).choose([opts])
+        best = 1.0 / verify.predict(verify_x(1, 0, 0, 0))
+        for o in opts:
+            assert o.a is not None
+            reach, cum, p = math.prod(o.a[:8]), 0.0, 1.0
+            for k in range(1, 33):
+                p *= o.a[k - 1]
+                cum += p
+                t = verify.predict(verify_x(1, k, 1, 0, head_rows(k, reach, 8)))
+                t += 0.0 if o.sunk else model.predict([1.0, k, k, 1.0])
+                best = max(best, (1 + cum) / t)
+        assert plan.rate == pytest.approx(best, rel=1e-5)
+
+
+def test_in_a_batch_drafts_are_priced_at_the_rate_the_engine_sustains() -> None:
+    # Two sequences in long loops make the step's own predicted rate high; priced at it, nobody
+    # else's draft pays. Priced at the engine's sustained rate, the others draft too. Alone, a
+    # sequence is priced at its step's own rate whatever the sustained rate.
+    verify = RLS([8.0, 0.6, 0.3, 0.1, 0.05, 0.1], [1.0] * 6)
+    c = Controller(verify, [RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)], head_block=8)
+    loops = [[Option(0, [0.99] * 32, sunk=True)] for _ in range(2)]
+    others = [[Option(0, [0.75] * 8, sunk=True)] for _ in range(6)]
+    own = c.choose(loops + others)
+    assert [x.k for x in own.choices] == [32, 32, 0, 0, 0, 0, 0, 0]
+    sustained = c.choose(loops + others, rate=1.3 * own.plain_rate)
+    assert [x.k for x in sustained.choices[:2]] == [32, 32] and all(x.k > 0 for x in sustained.choices[2:])
+    assert sustained.rate > own.plain_rate  # still a step faster than a plain one
+    alone = c.choose(others[:1])
+    for r in (0.1 * alone.plain_rate, 10 * alone.plain_rate):
+        assert c.choose(others[:1], rate=r).choices[0].k == alone.choices[0].k > 0
 
 
 def test_the_controller_prices_head_rows_only_where_verification_computes_them() -> None:
