@@ -30,10 +30,18 @@ Contenders, every one on the same checkpoint, dtype and thread count:
                   the same draft model (its default schedule), prompt lookup
                   (``prompt_lookup_num_tokens=10``)
 
-Every contender gets one untimed warm-up pass over all workloads (DeepSpec's
-predictor and cost model learn online, as they would from earlier traffic in
-a server), then ``--rounds`` interleaved timed rounds (each round runs every
-contender over every workload); tokens/s = generated tokens / median time.
+Every contender gets one untimed warm-up pass over other prompts of the same
+workloads (the next held-out files and open prompts): DeepSpec's predictor
+and cost models learn online, as they would from earlier traffic in a server.
+What DeepSpec has learned then is restored before each timed round, so it
+never meets a timed request it has learned from (it learns within the round,
+as it goes). Then ``--rounds`` timed rounds, interleaved request by request:
+each prompt is run by every contender in turn (the order rotating), so a
+slow spell of the machine falls on all of them alike. tokens/s = generated
+tokens / median over rounds of the summed request times; the ratio to the
+best fixed configuration is also given per round, and decode only: the time
+to the first token (prefill and one step, the same code for every dspark
+contender, timed in the rounds as plain requests of one token) left out.
 Output lengths are fixed (``ignore_eos``), and every dspark contender's
 tokens are checked identical to plain decoding. Printed: tokens/s per
 workload, ratios, acceptance per drafter, the predictor's calibration
@@ -71,26 +79,51 @@ def heldout(model: Path) -> list[Path]:
     return [root / n for n in names if (root / n).exists()]
 
 
-def make_workloads(llm: LLM, model: Path, n: int, out_tokens: int) -> dict[str, list[list[int]]]:
+def make_workloads(llm: LLM, model: Path, n: int, out_tokens: int, first: int = 0) -> dict[str, list[list[int]]]:
+    """``n`` prompts per workload, from the ``first``-th held-out file (by length) and open prompt on."""
     tok = llm.engine.tokenizer
     docs = [ids for f in heldout(model) if len(ids := tok.encode(f.read_text(errors="replace")).ids) > 400]
     docs.sort(key=len, reverse=True)
-    code = [d[:256] for d in docs[:n]]
+    docs = docs[first:first + n]
+    code = [d[:256] for d in docs]
     edit = []
-    for d in docs[:n]:
+    for d in docs:
         window = d[300:300 + 120]
         nl = tok.encode("\n\n").ids[1:]  # the tokenizer prepends <s>; only the first prompt piece keeps it
         edit.append([d[0]] + window + nl + window[:40])
-    opn = [tok.encode(p).ids for p in OPEN_PROMPTS[:n]]
+    opn = [tok.encode(p).ids for p in OPEN_PROMPTS[first:first + n]]
     return {"code": code, "edit": edit, "open": opn}
 
 
 class Contender:
-    def __init__(self, name: str, run: Callable[[list[int], int], list[int]], stats: Callable[[], Any] | None = None):
-        self.name, self.run, self.stats = name, run, stats
+    def __init__(self, name: str, run: Callable[[list[int], int], list[int]], stats: Callable[[], Any] | None = None,
+                 restore: Callable[[], None] | None = None):
+        self.name, self.run, self.stats, self.restore = name, run, stats, restore
         self.times: dict[str, list[float]] = {w: [] for w in WORKLOADS}
         self.outputs: dict[str, list[list[int]]] = {}
         self.spec_delta: dict[str, dict[str, dict[str, float]]] = {}
+
+    def start_round(self, work: dict[str, list[list[int]]]) -> None:
+        """A timed round request by request (``one``): learned state restored, times and counts from 0."""
+        if self.restore is not None:
+            self.restore()
+        for w in WORKLOADS:
+            self.times[w].append(0.0)
+            self.outputs[w] = [[] for _ in work[w]]
+            self.spec_delta[w] = {}
+
+    def one(self, w: str, i: int, prompt: list[int], n_out: int) -> None:
+        stats = self.stats
+        before = stats() if stats is not None else None
+        t0 = time.perf_counter()
+        self.outputs[w][i] = self.run(prompt, n_out)
+        self.times[w][-1] += time.perf_counter() - t0
+        if stats is not None:
+            acc = self.spec_delta[w]
+            for name, v in _delta(before, stats()).items():
+                tot = acc.setdefault(name, dict.fromkeys(v, 0.0))
+                for key, x in v.items():
+                    tot[key] += x
 
     def pass_(self, work: dict[str, list[list[int]]], n_out: int, timed: bool) -> None:
         for w in WORKLOADS:
@@ -123,6 +156,14 @@ def dspark_contender(llm: LLM, name: str) -> Contender:
     return Contender(name, run, llm.stats if llm.engine.spec is not None else None)
 
 
+def learned_restorer(llm: LLM) -> Callable[[], None]:
+    """Snapshot what the engine's DeepSpec has learned now; the returned call puts it back."""
+    spec = llm.engine.spec
+    assert spec is not None
+    snap = spec.snapshot()
+    return lambda: spec.restore(snap)
+
+
 def hf_contenders(model: Path, draft: Path | None) -> list[Contender]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -149,8 +190,8 @@ def hf_contenders(model: Path, draft: Path | None) -> list[Contender]:
     return cs
 
 
-def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], n_out: int, best_fixed: str,
-                  rounds: int) -> None:
+def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], warm: dict[str, list[list[int]]],
+                  n_out: int, best_fixed: str, rounds: int) -> None:
     """Every workload's prompts at once (continuous batching, up to 8 in flight): speculation pays less."""
     prompts = [p for w in WORKLOADS for p in work[w]]
     B = min(8, len(prompts))
@@ -163,9 +204,12 @@ def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], n_o
     times: dict[str, list[float]] = {n: [] for n in llms}
     outs: dict[str, list[list[int]]] = {}
     for llm in llms.values():
-        llm.generate(prompts, p)  # warm-up
+        llm.generate([q for w in WORKLOADS for q in warm[w]], p)  # warm-up, on other prompts
+    restore = learned_restorer(llms["deepspec"])
     for _ in range(rounds):
         for n, llm in llms.items():
+            if n == "deepspec":
+                restore()
             t0 = time.perf_counter()
             outs[n] = [o.token_ids for o in llm.generate(prompts, p)]
             times[n].append(time.perf_counter() - t0)
@@ -187,14 +231,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every contender; 0 = torch's "
                     "default (all cores), as benchmarks/engine.py; use 1 on a shared machine")
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, k swept over 1,2,4,8")
-    ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 3, quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 5, quick 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     quick = args.quick
     n_req, n_out = (2, 64) if quick else (4, 128)
-    rounds = args.rounds or (2 if quick else 3)
+    rounds = args.rounds or (2 if quick else 5)
     ks = [1, 2, 4, 8] if quick else list(range(1, 9))
     model = args.model
     dtype = "float32"
@@ -203,6 +247,7 @@ def main() -> None:
 
     plain = LLM(model, dtype=dtype, max_batch_size=1, max_total_tokens=2048)
     work = make_workloads(plain, model, n_req, n_out)
+    warm = make_workloads(plain, model, n_req, n_out, first=n_req)  # warm-up and learning: other prompts
     n_tok = {w: len(work[w]) * n_out for w in WORKLOADS}
     print("workloads: " + "; ".join(f"{w}: {len(work[w])} prompts of {min(map(len, work[w]))}-"
                                      f"{max(map(len, work[w]))} tokens, {n_out} tokens out" for w in WORKLOADS))
@@ -274,27 +319,43 @@ def main() -> None:
     if draft_path is not None:
         draft_path = model.parent / draft_path
     hf: list[Contender] = [] if args.no_hf else hf_contenders(model, draft_path)
+    # Time to the first token (prefill and one step, the same code for every dspark contender),
+    # timed in the rounds too: the decode-only ratio leaves it out.
+    first = dspark_contender(plain, "(first token)")
+    first.run = lambda prompt, n, _run=first.run: _run(prompt, 1)
+    contenders.append(first)
     contenders += hf
     for c in contenders:
-        c.pass_(work, n_out, timed=False)  # warm-up (and DeepSpec keeps learning)
+        c.pass_(warm, n_out, timed=False)  # warm-up on other prompts (DeepSpec learns from them)
+    d = next(c for c in contenders if c.name == "deepspec")
+    d.restore = learned_restorer(deep)
     for rnd in range(rounds):
         for c in contenders:
-            c.pass_(work, n_out, timed=True)
+            c.start_round(work)
+        for w in WORKLOADS:
+            for i, prompt in enumerate(work[w]):
+                shift = (rnd * len(work[w]) + i) % len(contenders)
+                for c in contenders[shift:] + contenders[:shift]:
+                    c.one(w, i, prompt, n_out)
         print(f"  round {rnd + 1}/{rounds} done", flush=True)
 
     def mix(c: Contender) -> float:
         return sum(n_tok.values()) / sum(statistics.median(c.times[w]) for w in WORKLOADS)
 
-    print(f"\ntokens/s, batch 1, greedy, median of {rounds} interleaved rounds (load average now "
+    print(f"\ntokens/s, batch 1, greedy, median of {rounds} rounds interleaved request by request (load average now "
           f"{os.getloadavg()[0]:.1f})")
     print(f"{'contender':<20} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain")
     for c in contenders:
+        if c is first:
+            continue
         same = all(c.outputs[w] == ref[w] for w in WORKLOADS)
         print(f"{c.name:<20} " + " ".join(f"{c.tps(w, n_tok[w]):7.1f}" for w in WORKLOADS)
               + f" {mix(c):7.1f}   {same}")
+    t_first = {w: statistics.median(first.times[w]) for w in WORKLOADS}
+    print("time to the first token (prefill and one step), s per workload pass: "
+          + ", ".join(f"{w} {t_first[w]:.2f}" for w in WORKLOADS))
     fixed_cs = [c for c in contenders if c.name.startswith("fixed")]  # the brief's sweep, k in 1..8
     best_fixed = max(fixed_cs, key=mix)
-    d = next(c for c in contenders if c.name == "deepspec")
 
     print("\nratios")
     print(f"{'what':<52} {'value':>7} {'target':>8}")
@@ -303,6 +364,14 @@ def main() -> None:
         print(f"{f'deepspec / plain, {w}':<52} {d.tps(w, n_tok[w]) / base.tps(w, n_tok[w]):7.2f} {tgt:>8}")
     print(f"{'deepspec / plain, mix':<52} {mix(d) / mix(base):7.2f} {'':>8}")
     print(f"{f'deepspec / best fixed ({best_fixed.name}), mix':<52} {mix(d) / mix(best_fixed):7.2f} {'>= 1.2':>8}")
+    per_round = [sum(best_fixed.times[w][r] for w in WORKLOADS) / sum(d.times[w][r] for w in WORKLOADS)
+                 for r in range(rounds)]
+    print(f"{'  the same, round by round':<52} " + " ".join(f"{v:.2f}" for v in per_round))
+
+    def decode_s(c: Contender) -> float:
+        return sum(statistics.median(c.times[w]) - t_first[w] for w in WORKLOADS)
+
+    print(f"{'  the same, decode only (first token left out)':<52} {decode_s(best_fixed) / decode_s(d):7.2f}")
     for w in WORKLOADS:
         bw = max(fixed_cs, key=lambda c: c.tps(w, n_tok[w]))
         print(f"{f'deepspec / best fixed on {w} ({bw.name})':<52} {d.tps(w, n_tok[w]) / bw.tps(w, n_tok[w]):7.2f}")
@@ -314,7 +383,7 @@ def main() -> None:
     if hf:
         print(f"{'plain dspark / hf plain, mix':<52} {mix(base) / mix(hf[0]):7.2f}")
 
-    batch_section(model, dtype, work, n_out, best_fixed.name, 1 if quick else 2)
+    batch_section(model, dtype, work, warm, n_out, best_fixed.name, 1 if quick else 2)
 
     print("\nacceptance in the timed rounds (accepted / drafted tokens; accepted per draft)")
     for c in [*fixed_cs, d]:
