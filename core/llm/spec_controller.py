@@ -26,10 +26,10 @@ where R is, for one sequence, the step's own predicted rate (Dinkelbach's
 iteration for the fractional program: R becomes the resulting plan's rate
 until it stops rising), and in a batch the rate the engine sustains (tokens
 per ms of wall time, an EMA; see ``choose``). Drafting costs shared by
-sequences are settled by the same iterations. The plan is only taken when its predicted rate beats plain decoding's, so
-when drafting cannot pay (low acceptance, costly drafter, big batch whose
-verify tokens cost nearly full price) every k is 0 and the step is a plain
-decode step.
+sequences are settled by the same iterations. The plan is only taken when
+its predicted rate beats plain decoding's, so when drafting cannot pay (low
+acceptance, costly drafter, big batch whose verify tokens cost nearly full
+price) every k is 0 and the step is a plain decode step.
 """
 
 from __future__ import annotations
@@ -252,10 +252,10 @@ class Controller:
         # Per option, the expected tokens and head rows of each k: they do not depend on the rate, so
         # they are computed once, not per iteration (this runs every engine step).
         # A drafted token whose chance of being reached is below what it costs at the lowest rate the
-        # iterations price at (plain decoding's, or the given one) can never pay, nor can any after it: the chance only falls
-        # and each further token costs at least as much. The curve stops there. (Past a long draft's
-        # first block of head rows, drafting one more token can save head rows: between one block and
-        # two the curve goes on to the split, so the cut never changes a choice.)
+        # iterations price at (plain decoding's, or the given one) can never pay, nor can any after it:
+        # the chance only falls and each further token costs at least as much. The curve stops there.
+        # (Past a long draft's first block of head rows, drafting one more token can save head rows:
+        # between one block and two the curve goes on to the split, so the cut never changes a choice.)
         per_pos = {d: rls.theta[1] / max(B, 1) + rls.theta[2] for d, rls in enumerate(self.draft)}
         price = rate if rate is not None and B > 1 else None  # None: the step's own rate (Dinkelbach)
         r_min = plain_rate if price is None else price
