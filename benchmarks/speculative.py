@@ -104,7 +104,7 @@ class Contender:
         self.spec_delta: dict[str, dict[str, dict[str, float]]] = {}
 
     def start_round(self, work: dict[str, list[list[int]]]) -> None:
-        """A timed round request by request (``one``): learned state restored, times and counts from 0."""
+        """A round request by request (``one``): learned state restored, times and counts from 0."""
         if self.restore is not None:
             self.restore()
         for w in WORKLOADS:
@@ -126,16 +126,13 @@ class Contender:
                     tot[key] += x
 
     def pass_(self, work: dict[str, list[list[int]]], n_out: int, timed: bool) -> None:
+        """Every workload's requests in turn (one contender alone); untimed, the times are dropped."""
+        self.start_round(work)
         for w in WORKLOADS:
-            before = self.stats() if self.stats else None
-            t0 = time.perf_counter()
-            outs = [self.run(p, n_out) for p in work[w]]
-            dt = time.perf_counter() - t0
-            if timed:
-                self.times[w].append(dt)
-                if before is not None:
-                    self.spec_delta[w] = _delta(before, self.stats())
-            self.outputs[w] = outs
+            for i, prompt in enumerate(work[w]):
+                self.one(w, i, prompt, n_out)
+            if not timed:
+                self.times[w].pop()
 
     def tps(self, w: str, n_tok: int) -> float:
         return n_tok / statistics.median(self.times[w])

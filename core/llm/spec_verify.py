@@ -26,15 +26,8 @@ HEAD_BLOCK = 8
 
 def accept_greedy(draft: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
     """``logits`` [len(draft) + 1, vocab] -> (tokens to emit, number of draft tokens accepted)."""
-    best = torch.argmax(logits, dim=-1).tolist()
-    out: list[int] = []
-    for j, d in enumerate(draft):
-        if best[j] != d:
-            out.append(best[j])
-            return out, j
-        out.append(d)
-    out.append(best[len(draft)])
-    return out, len(draft)
+    toks, n_acc, _ = accept_greedy_blocks([draft], [logits], lambda rows: rows, block=len(draft) + 1)[0]
+    return toks, n_acc
 
 
 def split(k: int, block: int = HEAD_BLOCK) -> bool:

@@ -598,6 +598,7 @@ class SpecDecoder:
                 return {}
             chosen: list[tuple[Handle | None, int]] = [(h, c) for c in caps]
             probed: dict[int, list[Draft]] = {}
+            terms: dict[tuple[int, int], tuple[list[tuple[int, int]], list[float]]] = {}
         else:
             # Lookup-style drafters are nearly free: draft with them for everyone, then decide.
             probed = {}
@@ -610,7 +611,11 @@ class SpecDecoder:
                         probed[h.idx] = got
             sunk_ms = (time.perf_counter() - t0) * 1e3
             live = [h for h in live if h.disabled is None]  # a probe may have failed
-            chosen = self._decide(seqs, sts, caps, live, probed, prefill_tokens, sunk_ms)
+            # Each probed draft's token pairs and their learned terms, once: the choice and the
+            # learning both use them.
+            terms = {(hi, i): t for hi, drafts in probed.items() for i, dr in enumerate(drafts)
+                     if (t := self._pair_terms(seqs[i], self.handles[hi], dr.tokens[:caps[i]])) is not None}
+            chosen = self._decide(seqs, sts, caps, live, probed, terms, prefill_tokens, sunk_ms)
         # KV room for 1 + k tokens, from free pages only.
         ks = []
         for s, (h, k) in zip(seqs, chosen):
@@ -625,7 +630,7 @@ class SpecDecoder:
             if h is None or k <= 0:
                 continue
             if h.idx in probed:
-                self._pending(pend, i, seqs[i], sts[i], h, probed[h.idx][i], k)
+                self._pending(pend, i, seqs[i], sts[i], h, probed[h.idx][i], k, terms.get((h.idx, i)))
             else:
                 groups.setdefault(h.idx, []).append(i)
         for hi, members in groups.items():
@@ -646,8 +651,18 @@ class SpecDecoder:
                 pend[rid] = _Pending(h_i, [], None)
         return pend
 
+    def _pair_terms(self, seq: Sequence, h: Handle, toks: list[int]
+                    ) -> tuple[list[tuple[int, int]], list[float]] | None:
+        """A draft's token pairs and their learned terms as they stand now (None: pairs are not learned
+        for this drafter, whose drafts are not known before the choice)."""
+        if not (h.probe and toks):
+            return None
+        pairs = _pairs(_last(seq), toks)
+        return pairs, [self.predictor.pair(h.idx, a, b) for a, b in pairs]
+
     def _pending(self, pend: dict[str, _Pending], i: int, seq: Sequence, st: _Req, h: Handle, dr: Draft,
-                 k: int) -> None:
+                 k: int, terms: tuple[list[tuple[int, int]], list[float]] | None = None) -> None:
+        """``terms``: the draft's pair terms from the choice (``_pair_terms``), if it computed them."""
         toks = list(dr.tokens[:k])
         q = None
         if dr.probs is not None and toks:
@@ -658,9 +673,10 @@ class SpecDecoder:
         ctx_len = len(seq.prompt_ids) + len(seq.output_ids)
         args = (st.hist[h.idx], st.rep, ctx_len, st.run[h.idx], _copy_out(dr, seq))
         mean_c = st.conf[h.idx]
-        pairs = _pairs(_last(seq), toks) if h.probe and toks else None
-        # The pairs' terms as they stand now, when the draft is chosen (the table learns before x_of runs).
-        pv = [self.predictor.pair(h.idx, a, b) for a, b in pairs] if pairs else None
+        # The pairs' terms as they stood when the draft was chosen (the table learns before x_of runs).
+        if terms is None:
+            terms = self._pair_terms(seq, h, toks)
+        pairs, pv = (terms[0][:len(toks)], terms[1][:len(toks)]) if terms is not None else (None, None)
 
         def x_of(j: int) -> list[float]:
             hist, rep, n_ctx, run, c_out = args
@@ -688,7 +704,8 @@ class SpecDecoder:
     _plan: Plan | None = None
 
     def _decide(self, seqs: list[Sequence], sts: list[_Req], caps: list[int], live: list[Handle],
-                probed: dict[int, list[Draft]], prefill_tokens: int, sunk_ms: float) -> list[tuple[Handle | None, int]]:
+                probed: dict[int, list[Draft]], terms: dict[tuple[int, int], tuple[list[tuple[int, int]], list[float]]],
+                prefill_tokens: int, sunk_ms: float) -> list[tuple[Handle | None, int]]:
         assert self.controller is not None
         pred = self.predictor
         options: list[list[Option]] = []
@@ -707,9 +724,10 @@ class SpecDecoder:
                             continue
                         c = dr.confidence[0] if dr.confidence else st.conf[h.idx]
                         c_out = _copy_out(dr, s)
-                        if h.probe:  # the draft is known token by token: its pairs' terms too
+                        t = terms.get((h.idx, i))
+                        if t is not None:  # the draft is known token by token: its pairs' terms too
                             wp = w[PAIR]
-                            extra = [wp * pred.pair(h.idx, a, b) for a, b in _pairs(_last(s), dr.tokens[:n])]
+                            extra = [wp * v for v in t[1][:n]]
                     else:
                         n, c = cap, st.conf[h.idx]
                     x = features(c, st.hist[h.idx], 1, st.rep, ctx_len, st.run[h.idx], c_out)

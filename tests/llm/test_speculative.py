@@ -298,7 +298,7 @@ def test_blockwise_greedy_verification_equals_whole_and_stops_at_the_first_misma
         d = best[:n_match] + [(b + 1) % 40 for b in best[n_match:k]]  # matches the first n_match rows
         hidden.append(h)
         drafts.append(d)
-        whole.append(accept_greedy(d, h @ W))
+        whole.append((best[:n_match + 1], n_match))  # the matched rows, then the target's own token
     got = accept_greedy_blocks(drafts, hidden, head, block=4)
     for (toks, n, rows), (w_toks, w_n), d in zip(got, whole, drafts):
         assert (toks, n) == (w_toks, w_n)
