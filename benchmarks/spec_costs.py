@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from speculative import WORKLOADS, make_workloads  # noqa: E402
+from speculative import WORKLOADS, learned_restorer, make_workloads  # noqa: E402
 
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.llm.api import default_model_path  # noqa: E402
@@ -139,12 +139,12 @@ def main() -> None:
         for w in WORKLOADS:
             for p in warm[w]:
                 llm.generate([p], sp)
-    snap = llms["deepspec"].engine.spec.snapshot()
+    restore = learned_restorer(llms["deepspec"])
     for pr in probes.values():
         pr.steps.clear()
     names = list(llms)
     for rnd in range(args.rounds):
-        llms["deepspec"].engine.spec.restore(snap)
+        restore()
         i = 0
         for w in WORKLOADS:
             for p in work[w]:
