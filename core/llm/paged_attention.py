@@ -29,7 +29,7 @@ from dspark.log import get_logger
 log = get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11"]
 _I32, _I64, _F32, _P = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -73,7 +73,7 @@ class PagedAttention:
 
     def supports(self, *, heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and heads % kv_heads == 0 and heads // kv_heads <= self.max_group
-                and head_dim <= self.max_head_dim and page_size <= self.max_page)
+                and head_dim <= self.max_head_dim and head_dim % 8 == 0 and page_size <= self.max_page)
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> None:

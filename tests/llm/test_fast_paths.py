@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from llm_testutil import random_prompts
 
 from dspark.llm import paged_attention
@@ -56,10 +57,55 @@ def test_paged_kernel_matches_gather_and_sdpa(checkpoint: Callable[[str], Path],
     assert c1.seq_lens == c2.seq_lens and c1.block_tables == c2.block_tables
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (4, 4, 24), (16, 1, 8)])
+def test_paged_kernel_tiles_chunks_and_matches_sdpa_row_by_row(threads: int, heads: int, kv_heads: int,
+                                                                head_dim: int) -> None:
+    """Chunks of 1-64 rows (a chunk is tiled by up to 64 query vectors, and split further while
+    there are fewer work items than threads), pages of 16 and 5 slots in random order, partial
+    last pages, a row another path runs (length 0): each row against SDPA over its own keys."""
+    k = _kernel_or_skip()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(heads * 100 + threads)
+    # (cached tokens before the chunk, chunk rows) per sequence
+    seqs = [(37, 1), (0, 9), (150, 33), (3, 64), (60, 5)]
+    for P in (16, 5):
+        n_pages = sum(-(-(s + n) // P) for s, n in seqs) + 3
+        kc = torch.randn(n_pages, P, kv_heads, head_dim, generator=g)
+        vc = torch.randn(n_pages, P, kv_heads, head_dim, generator=g)
+        width = max(-(-(s + n) // P) for s, n in seqs)
+        perm = torch.randperm(n_pages, generator=g)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        o = 0
+        for i, (s, n) in enumerate(seqs):
+            need = -(-(s + n) // P)
+            tables[i, :need] = perm[o:o + need].to(torch.int32)
+            o += need
+        row_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
+        row_len = [s + j + 1 for s, n in seqs for j in range(n)]
+        row_len[10] = 0  # a row the kernel leaves alone
+        T = len(row_seq)
+        q = torch.randn(T, heads, head_dim, generator=g)
+        out = torch.full((T, heads, head_dim), 7.0)
+        k(q, out, kc, vc, tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32),
+          head_dim ** -0.5)
+        assert torch.equal(out[10], torch.full((heads, head_dim), 7.0))
+        for t in range(T):
+            n = row_len[t]
+            if n == 0:
+                continue
+            slots = (tables[row_seq[t]].long()[:, None] * P + torch.arange(P)).reshape(-1)[:n]
+            kk = kc.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+            vv = vc.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+            ref = F.scaled_dot_product_attention(q[t][:, None], kk, vv, enable_gqa=heads != kv_heads)[:, 0]
+            torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=2e-5)
+
+
 def test_paged_kernel_refuses_what_it_cannot_run(checkpoint: Callable[[str], Path]) -> None:
     k = _kernel_or_skip()
     assert not k.supports(heads=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
     assert not k.supports(heads=4, kv_heads=2, head_dim=512, page_size=16, dtype=torch.float32)
+    assert not k.supports(heads=4, kv_heads=2, head_dim=20, page_size=16, dtype=torch.float32)  # 8-float vectors
     assert not k.supports(heads=4, kv_heads=2, head_dim=64, page_size=4096, dtype=torch.float32)
     r = ModelRunner.from_pretrained(str(checkpoint("llama")), "bfloat16")
     assert r._kernel(r.make_cache(8, 4)) is None  # bf16 runs the torch path
