@@ -14,6 +14,11 @@ knows what the step will cost (measured, never assumed):
   so Hd, the drafted rows that got logits, is below K when drafts break
   early: a drafted token costs its layers for sure and, past the first
   block, its head row only if that block held;
+  K counts the rows the forward computes for the drafted tokens: the dense
+  layers of a step of several rows run padded to a bucket of rows
+  (packed_linear.row_bucket: a 33-row verification costs 40 rows), so K is
+  ``pad(rows + drafted) - pad(rows)``, and one sequence's choice of k sees
+  that a k just past a bucket's end buys padding with it;
 - draft: each drafter's call time as a function of
   ``[1, positions P, P x sequences S, S]`` (a batched draft model pays per
   position, a lookup per sequence), fitted the same way.
@@ -35,6 +40,7 @@ price) every k is 0 and the step is a plain decode step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,6 +159,14 @@ def verify_x(rows: int, drafted: int, chunks: int, prefill: int, head: float | N
     return [1.0, float(rows), float(drafted), float(chunks), float(prefill), float(drafted if head is None else head)]
 
 
+def padded_drafted(pad: Callable[[int], int] | None, rows: int, drafted: int) -> int:
+    """The rows ``drafted`` tokens add to a step of ``rows`` others, padding included (``pad``: the rows a
+    step of n rows is computed as; None: no padding)."""
+    if pad is None or drafted <= 0:
+        return drafted
+    return pad(rows + drafted) - pad(rows)
+
+
 def draft_x(positions: int, seqs: int) -> list[float]:
     return [1.0, float(positions), float(positions * seqs), float(seqs)]
 
@@ -209,11 +223,14 @@ class Plan:
 
 
 class Controller:
-    def __init__(self, verify: VerifyCost | RLS, draft: list[RLS], head_block: int | None = None) -> None:
+    def __init__(self, verify: VerifyCost | RLS, draft: list[RLS], head_block: int | None = None,
+                 pad: Callable[[int], int] | None = None) -> None:
         self.verify = verify
         self.draft = draft
         # Rows of logits per verification block; None: the head runs over every drafted row.
         self.head_block = head_block
+        # The rows a forward of n rows is computed as (ModelRunner.padded_rows); None: n.
+        self.pad = pad
 
     def draft_time(self, d: int, positions: int, seqs: int) -> float:
         if positions <= 0 or seqs <= 0:
@@ -259,23 +276,35 @@ class Controller:
         per_pos = {d: rls.theta[1] / max(B, 1) + rls.theta[2] for d, rls in enumerate(self.draft)}
         price = rate if rate is not None and B > 1 else None  # None: the step's own rate (Dinkelbach)
         r_min = plain_rate if price is None else price
-        curves: list[list[tuple[list[float], list[float]]]] = []
+        # Alone, a sequence's k decides the step's padding: its drafted tokens cost the rows they are
+        # computed as. In a batch the padding depends on everyone's k together; it is left to the plan's
+        # time below (a bucket's padding spread over many sequences is small beside their tokens).
+        pad = self.pad if B == 1 and not prefill_tokens else None
+        # Per option and k: expected tokens, head rows, and rows computed.
+        curves: list[list[tuple[list[float], list[float], list[int]]]] = []
         for opts in options:
             cs = []
             for o in opts:
                 cut = r_min * (c_tok + (0.0 if o.sunk else per_pos[o.drafter]))
-                cums, heads = [], []
-                cum, P, reach = 0.0, 1.0, 1.0
+                cums, heads, rows = [], [], []
+                cum, P, reach, stop = 0.0, 1.0, 1.0, False
                 for k in range(1, o.n + 1):
                     P *= o.acc(k - 1)
                     if k > 1 and (P < 1e-4 or (P < cut and (not blk or k <= blk or k > 2 * blk))):
-                        break
+                        # Tokens up to the end of the current row bucket cost nothing more than the one
+                        # that opened it, so the curve runs on to that end: a choice there may pay.
+                        if pad is None or P < 1e-4 or pad(1 + k) == pad(k):
+                            break
+                        stop = True
                     cum += P
                     if k == blk:
                         reach = P  # a long draft's rows past its first block: computed if that block held
                     cums.append(cum)
                     heads.append(head_rows(k, reach, blk) if blk else float(k))
-                cs.append((cums, heads))
+                    rows.append(padded_drafted(pad, 1, k) if pad is not None else k)
+                    if stop and pad is not None and pad(1 + k) == 1 + k:
+                        break
+                cs.append((cums, heads, rows))
             curves.append(cs)
         margin = float("-inf")
         for it in range(iterations):
@@ -290,13 +319,13 @@ class Controller:
             Rp = R if price is None else price  # what a drafted token's time is priced at
             for opts, cs in zip(options, curves):
                 pick, best_v = SeqChoice(), 0.0
-                for o, (cums, heads) in zip(opts, cs):
-                    per_tok = c_tok if o.sunk else marginal[o.drafter]
+                for o, (cums, heads, rows) in zip(opts, cs):
+                    per_tok = 0.0 if o.sunk else marginal[o.drafter] - c_tok  # drafting, per position
                     start = c_chunk if o.sunk else fixed[o.drafter]
-                    r_tok, r_start, r_head = Rp * per_tok, Rp * start, Rp * c_head
+                    r_row, r_tok, r_start, r_head = Rp * c_tok, Rp * per_tok, Rp * start, Rp * c_head
                     best_k, bv = 0, float("-inf")
-                    for k, (cum, head) in enumerate(zip(cums, heads), 1):
-                        v = cum - r_tok * k - r_head * head
+                    for k, (cum, head, n_rows) in enumerate(zip(cums, heads, rows), 1):
+                        v = cum - r_row * n_rows - r_tok * k - r_head * head
                         if v > bv:
                             best_k, bv = k, v
                     if not best_k:
@@ -319,7 +348,8 @@ class Controller:
                 Hd += c.head
                 if not next(o for o in opts if o.drafter == c.drafter).sunk:
                     per_d.setdefault(c.drafter, []).append(c.k)
-            t = self.verify.predict(verify_x(B, K, M, prefill_tokens, Hd)) + sunk_ms
+            t = self.verify.predict(verify_x(B, padded_drafted(self.pad, B + prefill_tokens, K), M, prefill_tokens,
+                                             Hd)) + sunk_ms
             t += sum(self.draft_time(d, max(ks), len(ks)) for d, ks in per_d.items())
             plan_rate = (B + sum(c.gain for c in choices)) / max(t, 1e-9)
             users = {d: len(ks) for d, ks in per_d.items()}

@@ -44,7 +44,8 @@ from dspark.llm.config import SpeculativeConfig
 from dspark.llm.model import SeqChunk
 from dspark.llm.sampling import distribution, sample
 from dspark.llm.scheduler import ScheduledChunk, Sequence, Status
-from dspark.llm.spec_controller import RLS, Controller, Option, Plan, VerifyCost, draft_x, fit, verify_x
+from dspark.llm.spec_controller import (RLS, Controller, Option, Plan, VerifyCost, draft_x, fit, padded_drafted,
+                                        verify_x)
 from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tokenizer_fingerprint
 from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, along, features
 from dspark.llm.spec_verify import HEAD_BLOCK, accept_greedy_blocks, accept_sampling
@@ -388,7 +389,8 @@ class SpecDecoder:
                     fwd(*c)
                     times[c].append((time.perf_counter() - t0) * 1e3)
             for (B, k, full), ts in times.items():
-                xs.append(verify_x(B, B * k, B if k else 0, 0, head_rows(B, k, full)))
+                xs.append(verify_x(B, padded_drafted(runner.padded_rows, B, B * k), B if k else 0, 0,
+                                   head_rows(B, k, full)))
                 ys.append(_low(ts))
             t1 = ys[0]
             prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0, 0.05 * t1]
@@ -432,7 +434,8 @@ class SpecDecoder:
                 self.controller = self._make_controller()
 
     def _make_controller(self) -> Controller:
-        return Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK)  # type: ignore[misc]
+        return Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK,  # type: ignore[misc]
+                          pad=self.eng.runner.padded_rows)
 
     def _prior_costs(self, theta: list[float] | None) -> None:
         if theta is None:  # no room to measure: a neutral prior, corrected online
@@ -498,7 +501,8 @@ class SpecDecoder:
             n_head -= sum(len(chunks[i].token_ids) - rows for i, (_, _, rows) in verdict.items())
         fwd_ms = (time.perf_counter() - t0) * 1e3
         if self.controller is not None:
-            x = verify_x(len(dec), n_drafted, sum(1 for d in pend.values() if d.tokens), prefill_tokens, n_head)
+            rows = padded_drafted(eng.runner.padded_rows, len(dec) + prefill_tokens, n_drafted)
+            x = verify_x(len(dec), rows, sum(1 for d in pend.values() if d.tokens), prefill_tokens, n_head)
             if prefill_tokens:
                 self.verify_cost.update_prefill(x, fwd_ms)
             else:

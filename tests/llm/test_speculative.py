@@ -25,7 +25,8 @@ import dspark
 from dspark.llm import LLM, SamplingParams
 from dspark.llm.config import EngineConfig
 from dspark.llm.sampling import distribution
-from dspark.llm.spec_controller import RLS, Controller, Option, VerifyCost, verify_x
+from dspark.llm.packed_linear import row_bucket
+from dspark.llm.spec_controller import RLS, Controller, Option, VerifyCost, padded_drafted, verify_x
 from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, PairTable, along, features
 from dspark.llm.spec_verify import accept_greedy, accept_greedy_blocks, accept_sampling, head_rows, split
 from dspark.plugin_manager import PluginHost
@@ -779,31 +780,47 @@ def test_deepspec_learned_state_is_restored_from_a_snapshot(spec_llm: Callable[.
         spec.predictor.observe(0, features(0.6, 0.7, 2, 0.5, 300), 0.5, True, pair=(3, 4))
 
 
-def test_the_controller_finds_the_best_drafter_and_length_for_one_sequence() -> None:
+@pytest.mark.parametrize("pad", [None, row_bucket], ids=["exact rows", "row buckets"])
+def test_the_controller_finds_the_best_drafter_and_length_for_one_sequence(pad: Any) -> None:
     # Brute force over every (drafter, k): the controller's plan must reach the best predicted rate.
     # Its curves stop at the first token that cannot pay at the lowest rate it prices at, which
-    # must never cut off the best choice (long drafts' head rows make the cost non-monotone in k).
+    # must never cut off the best choice (long drafts' head rows make the cost non-monotone in k,
+    # and so do row buckets: a 33-row verification costs 40 rows, the 34th to 40th come free).
     rng = random.Random(4)
     for _ in range(300):
         verify = RLS([5.0 + 3 * rng.random(), 0.3, 0.2 + 0.2 * rng.random(), 0.5 + rng.random(), 0.05,
                       0.2 * rng.random()], [1.0] * 6)
         lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
         model = RLS([0.05, 0.3 + 2 * rng.random(), 0.0, 0.0], [1.0] * 4)
-        a_look = [min(0.999, max(0.01, rng.gauss(0.8, 0.2))) for _ in range(32)]
-        a_model = [min(0.999, max(0.01, rng.gauss(0.5, 0.2))) for _ in range(32)]
+        a_look = [min(0.999, max(0.01, rng.gauss(0.8, 0.2))) for _ in range(40)]
+        a_model = [min(0.999, max(0.01, rng.gauss(0.5, 0.2))) for _ in range(40)]
         opts = [Option(0, a_look, sunk=True), Option(1, a_model)]
-        plan = Controller(verify, [lookup, model], head_block=8).choose([opts])
+        plan = Controller(verify, [lookup, model], head_block=8, pad=pad).choose([opts])
         best = 1.0 / verify.predict(verify_x(1, 0, 0, 0))
         for o in opts:
             assert o.a is not None
             reach, cum, p = math.prod(o.a[:8]), 0.0, 1.0
-            for k in range(1, 33):
+            for k in range(1, 41):
                 p *= o.a[k - 1]
                 cum += p
-                t = verify.predict(verify_x(1, k, 1, 0, head_rows(k, reach, 8)))
+                rows = k if pad is None else pad(1 + k) - 1
+                t = verify.predict(verify_x(1, rows, 1, 0, head_rows(k, reach, 8)))
                 t += 0.0 if o.sunk else model.predict([1.0, k, k, 1.0])
                 best = max(best, (1 + cum) / t)
         assert plan.rate == pytest.approx(best, rel=1e-5)
+
+
+def test_alone_a_draft_is_priced_at_the_rows_its_verification_is_padded_to() -> None:
+    # Packed projections run a step's rows padded to a bucket: 33 rows cost 40. A 32-token draft
+    # (33 rows) then costs 7 rows more than a 31-token one for one more token; priced by tokens
+    # the controller takes 32, priced by rows 31. The engine's cost model learns per padded row.
+    verify = RLS([5.0, 0.3, 0.25, 1.0, 0.05, 0.02], [1.0] * 6)
+    lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
+    loop = [[Option(0, [0.99] * 32, sunk=True)]]
+    assert Controller(verify, [lookup], head_block=8).choose(loop).choices[0].k == 32
+    assert Controller(verify, [lookup], head_block=8, pad=row_bucket).choose(loop).choices[0].k == 31
+    assert padded_drafted(row_bucket, 1, 32) == 39 and padded_drafted(row_bucket, 1, 31) == 31
+    assert padded_drafted(None, 1, 32) == 32 and padded_drafted(row_bucket, 4, 0) == 0
 
 
 def test_in_a_batch_drafts_are_priced_at_the_rate_the_engine_sustains() -> None:
