@@ -231,6 +231,15 @@ class Controller:
         self.head_block = head_block
         # The rows a forward of n rows is computed as (ModelRunner.padded_rows); None: n.
         self.pad = pad
+        self._pad_rows: list[int] = [0]  # [k]: the rows one sequence's k drafted tokens cost, alone
+
+    def _alone_rows(self, n: int) -> list[int]:
+        """Rows computed for k = 0..n drafted tokens of a lone sequence (a table: this runs every step)."""
+        t = self._pad_rows
+        if len(t) <= n:
+            assert self.pad is not None
+            t.extend(padded_drafted(self.pad, 1, k) for k in range(len(t), n + 1))
+        return t
 
     def draft_time(self, d: int, positions: int, seqs: int) -> float:
         if positions <= 0 or seqs <= 0:
@@ -280,6 +289,7 @@ class Controller:
         # computed as. In a batch the padding depends on everyone's k together; it is left to the plan's
         # time below (a bucket's padding spread over many sequences is small beside their tokens).
         pad = self.pad if B == 1 and not prefill_tokens else None
+        prow = self._alone_rows(max((o.n for opts in options for o in opts), default=0)) if pad is not None else []
         # Per option and k: expected tokens, head rows, and rows computed.
         curves: list[list[tuple[list[float], list[float], list[int]]]] = []
         for opts in options:
@@ -293,7 +303,7 @@ class Controller:
                     if k > 1 and (P < 1e-4 or (P < cut and (not blk or k <= blk or k > 2 * blk))):
                         # Tokens up to the end of the current row bucket cost nothing more than the one
                         # that opened it, so the curve runs on to that end: a choice there may pay.
-                        if pad is None or P < 1e-4 or pad(1 + k) == pad(k):
+                        if pad is None or P < 1e-4 or prow[k] != prow[k - 1]:
                             break
                         stop = True
                     cum += P
@@ -301,8 +311,8 @@ class Controller:
                         reach = P  # a long draft's rows past its first block: computed if that block held
                     cums.append(cum)
                     heads.append(head_rows(k, reach, blk) if blk else float(k))
-                    rows.append(padded_drafted(pad, 1, k) if pad is not None else k)
-                    if stop and pad is not None and pad(1 + k) == 1 + k:
+                    rows.append(prow[k] if pad is not None else k)
+                    if stop and pad is not None and prow[k] == k:
                         break
                 cs.append((cums, heads, rows))
             curves.append(cs)

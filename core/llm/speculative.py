@@ -388,17 +388,19 @@ class SpecDecoder:
                     t0 = time.perf_counter()
                     fwd(*c)
                     times[c].append((time.perf_counter() - t0) * 1e3)
+            labels = []
             for (B, k, full), ts in times.items():
-                xs.append(verify_x(B, padded_drafted(runner.padded_rows, B, B * k), B if k else 0, 0,
-                                   head_rows(B, k, full)))
+                rows = padded_drafted(runner.padded_rows, B, B * k)
+                xs.append(verify_x(B, rows, B if k else 0, 0, head_rows(B, k, full)))
                 ys.append(_low(ts))
+                labels.append(f"B{B}+{B * k}" + ("" if rows == B * k else f" ({rows} rows)")
+                              + ("" if full else f" head {head_rows(B, k, full)}"))
             t1 = ys[0]
             prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0, 0.05 * t1]
             theta = fit(xs, ys, prior)
             # Prefill tokens: what a prefill step costs beyond an empty step, per token.
             theta[4] = max(0.0, (statistics.median(prefill_ms) - theta[0]) / (ctx_len - 1))
-            self.calibration["verify_ms"] = {f"B{x[1]:.0f}+{x[2]:.0f}" + ("" if x[5] == x[2] else f" head {x[5]:.0f}"):
-                                             round(y, 3) for x, y in zip(xs, ys)}
+            self.calibration["verify_ms"] = {lb: round(y, 3) for lb, y in zip(labels, ys)}
             self._prior_costs(theta)
             for h in self.handles:
                 dx, dy = [], []
