@@ -4,7 +4,7 @@ One ``step`` runs any mix of prefill chunks and decode tokens for many
 sequences: tokens are flattened for the dense parts (norms, projections, MLP;
 steps of several rows through oneDNN-packed copies, see packed_linear.py) and
 attention is per sequence over the pages by block table. On the CPU in float32,
-every chunk of up to 64 tokens (decode rows, verification drafts) goes to the
+every chunk of up to 64 tokens (decode rows, drafts, short prompts) goes to the
 paged kernel (paged_attention.c), all in one call per layer, reading K/V in
 place; longer chunks get one SDPA call each over their gathered pages. Where
 the kernel does not run, decode rows are batched into padded SDPA calls, one

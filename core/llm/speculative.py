@@ -503,8 +503,8 @@ class SpecDecoder:
             n_head -= sum(len(chunks[i].token_ids) - rows for i, (_, _, rows) in verdict.items())
         fwd_ms = (time.perf_counter() - t0) * 1e3
         if self.controller is not None:
-            rows = padded_drafted(eng.runner.padded_rows, len(dec) + prefill_tokens, n_drafted)
-            x = verify_x(len(dec), rows, sum(1 for d in pend.values() if d.tokens), prefill_tokens, n_head)
+            n_rows = padded_drafted(eng.runner.padded_rows, len(dec) + prefill_tokens, n_drafted)
+            x = verify_x(len(dec), n_rows, sum(1 for d in pend.values() if d.tokens), prefill_tokens, n_head)
             if prefill_tokens:
                 self.verify_cost.update_prefill(x, fwd_ms)
             else:
