@@ -166,6 +166,9 @@ def test_packed_projections_match_plain(checkpoint: Callable[[str], Path]) -> No
         for x, y in zip(got, want, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
     assert fast.weight_bytes() == ref.weight_bytes()  # the packed copies are a cache, not model weights
+    # What DeepSpec prices a verification's rows at: packed steps of several rows run padded to a bucket.
+    assert [fast.padded_rows(n) for n in (1, 8, 9, 17, 32, 33)] == [1, 8, 10, 20, 32, 40]
+    assert [ref.padded_rows(n) for n in (1, 9, 33)] == [1, 9, 33]
 
 
 def test_packed_engine_greedy_equals_unpacked(make_llm: Callable[..., Any]) -> None:

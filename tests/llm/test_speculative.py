@@ -813,7 +813,7 @@ def test_the_controller_finds_the_best_drafter_and_length_for_one_sequence(pad: 
 def test_alone_a_draft_is_priced_at_the_rows_its_verification_is_padded_to() -> None:
     # Packed projections run a step's rows padded to a bucket: 33 rows cost 40. A 32-token draft
     # (33 rows) then costs 7 rows more than a 31-token one for one more token; priced by tokens
-    # the controller takes 32, priced by rows 31. The engine's cost model learns per padded row.
+    # the controller takes 32, priced by rows 31.
     verify = RLS([5.0, 0.3, 0.25, 1.0, 0.05, 0.02], [1.0] * 6)
     lookup = RLS([0.0, 0.0, 0.0, 0.01], [1.0] * 4)
     loop = [[Option(0, [0.99] * 32, sunk=True)]]
