@@ -175,6 +175,12 @@ static void run_item(const Tile tile, int32_t kh, const float *q, int64_t q_stri
     }
 }
 
+/* Row t (t > 0) is the next row of the chunk row t - 1 belongs to. */
+static inline int continues_run(const int32_t *row_seq, const int32_t *row_len, int32_t t) {
+    return t > 0 && row_len[t] > 0 && row_len[t - 1] > 0 && row_seq[t] == row_seq[t - 1] &&
+           row_len[t] == row_len[t - 1] + 1;
+}
+
 void dspark_paged_attention(const float *q, int64_t q_stride, float *out, const float *kc, const float *vc,
                             const int32_t *tables, int32_t W, const int32_t *row_seq, const int32_t *row_len,
                             int32_t T, int32_t H, int32_t KVH, int32_t D, int32_t P, float scale,
@@ -183,11 +189,8 @@ void dspark_paged_attention(const float *q, int64_t q_stride, float *out, const 
     const int32_t max_rows = RMAX / G > 0 ? RMAX / G : 1;
     /* Runs: maximal stretches of consecutive rows of one sequence, lengths growing by one. */
     int32_t runs = 0;
-    for (int32_t t = 0; t < T; t++) {
-        if (row_len[t] <= 0) continue;
-        if (!(t > 0 && row_len[t - 1] > 0 && row_seq[t - 1] == row_seq[t] && row_len[t] == row_len[t - 1] + 1))
-            runs++;
-    }
+    for (int32_t t = 0; t < T; t++)
+        if (row_len[t] > 0 && !continues_run(row_seq, row_len, t)) runs++;
     if (runs == 0) return;
     /* Split runs into tiles of at most max_rows, and further (down to single rows) while there
      * are fewer items than threads: a lone 8-token draft still keeps every thread busy. */
@@ -202,7 +205,7 @@ void dspark_paged_attention(const float *q, int64_t q_stride, float *out, const 
             continue;
         }
         int32_t e = t + 1;
-        while (e < T && row_len[e] > 0 && row_seq[e] == row_seq[e - 1] && row_len[e] == row_len[e - 1] + 1) e++;
+        while (e < T && continues_run(row_seq, row_len, e)) e++;
         const int32_t n = e - t;
         int32_t parts = (n + max_rows - 1) / max_rows;
         if (parts < split) parts = split < n ? split : n;

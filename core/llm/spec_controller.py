@@ -40,7 +40,7 @@ price) every k is 0 and the step is a plain decode step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,32 +288,31 @@ class Controller:
         # Alone, a sequence's k decides the step's padding: its drafted tokens cost the rows they are
         # computed as. In a batch the padding depends on everyone's k together; it is left to the plan's
         # time below (a bucket's padding spread over many sequences is small beside their tokens).
-        pad = self.pad if B == 1 and not prefill_tokens else None
-        prow = self._alone_rows(max((o.n for opts in options for o in opts), default=0)) if pad is not None else []
-        # Per option and k: expected tokens, head rows, and rows computed.
+        n_max = max((o.n for opts in options for o in opts), default=0)
+        prow: Sequence[int] = (self._alone_rows(n_max) if self.pad is not None and B == 1 and not prefill_tokens
+                               else range(n_max + 1))
+        # Per option and k: expected tokens, head rows, and rows computed (prow[k]: k's rows).
         curves: list[list[tuple[list[float], list[float], list[int]]]] = []
         for opts in options:
             cs = []
             for o in opts:
                 cut = r_min * (c_tok + (0.0 if o.sunk else per_pos[o.drafter]))
                 cums, heads, rows = [], [], []
-                cum, P, reach, stop = 0.0, 1.0, 1.0, False
+                cum, P, reach = 0.0, 1.0, 1.0
                 for k in range(1, o.n + 1):
                     P *= o.acc(k - 1)
                     if k > 1 and (P < 1e-4 or (P < cut and (not blk or k <= blk or k > 2 * blk))):
-                        # Tokens up to the end of the current row bucket cost nothing more than the one
-                        # that opened it, so the curve runs on to that end: a choice there may pay.
-                        if pad is None or P < 1e-4 or prow[k] != prow[k - 1]:
+                        # Tokens up to the end of the current row bucket cost no more rows than the one
+                        # that opened it, so the curve runs on to that end (a choice there may pay) and
+                        # stops at the token that opens the next bucket.
+                        if P < 1e-4 or prow[k] != prow[k - 1]:
                             break
-                        stop = True
                     cum += P
                     if k == blk:
                         reach = P  # a long draft's rows past its first block: computed if that block held
                     cums.append(cum)
                     heads.append(head_rows(k, reach, blk) if blk else float(k))
-                    rows.append(prow[k] if pad is not None else k)
-                    if stop and pad is not None and prow[k] == k:
-                        break
+                    rows.append(prow[k])
                 cs.append((cums, heads, rows))
             curves.append(cs)
         margin = float("-inf")

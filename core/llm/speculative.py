@@ -63,6 +63,8 @@ _KIND_ORDER = {"model": 0, "self": 1, "ngram": 2, "other": 3}
 _CONSERVATIVE_K = 2  # cap of conservative mode for long open-ended text
 _LONG_OUTPUT = 64  # output tokens after which open-ended text counts as long
 _OPEN_ENDED = 0.35  # prompt repetitiveness below which text is open-ended
+# A probed draft's token pairs and their learned terms (SpecDecoder._pair_terms).
+_PairTerms = tuple[list[tuple[int, int]], list[float]]
 # Quiet steps (drafts on offer, none taken; a step counts 1/4 unless the best draft was near break-even)
 # before one exploratory draft; the wait doubles after each, up to the maximum.
 _EXPLORE_FIRST, _EXPLORE_MAX = 8, 512
@@ -390,11 +392,11 @@ class SpecDecoder:
                     times[c].append((time.perf_counter() - t0) * 1e3)
             labels = []
             for (B, k, full), ts in times.items():
-                rows = padded_drafted(runner.padded_rows, B, B * k)
-                xs.append(verify_x(B, rows, B if k else 0, 0, head_rows(B, k, full)))
+                rows, head = padded_drafted(runner.padded_rows, B, B * k), head_rows(B, k, full)
+                xs.append(verify_x(B, rows, B if k else 0, 0, head))
                 ys.append(_low(ts))
                 labels.append(f"B{B}+{B * k}" + ("" if rows == B * k else f" ({rows} rows)")
-                              + ("" if full else f" head {head_rows(B, k, full)}"))
+                              + ("" if full else f" head {head}"))
             t1 = ys[0]
             prior = [t1, 0.05 * t1, 0.05 * t1, 0.05 * t1, 0.0, 0.05 * t1]
             theta = fit(xs, ys, prior)
@@ -604,7 +606,7 @@ class SpecDecoder:
                 return {}
             chosen: list[tuple[Handle | None, int]] = [(h, c) for c in caps]
             probed: dict[int, list[Draft]] = {}
-            terms: dict[tuple[int, int], tuple[list[tuple[int, int]], list[float]]] = {}
+            terms: dict[tuple[int, int], _PairTerms] = {}
         else:
             # Lookup-style drafters are nearly free: draft with them for everyone, then decide.
             probed = {}
@@ -657,8 +659,7 @@ class SpecDecoder:
                 pend[rid] = _Pending(h_i, [], None)
         return pend
 
-    def _pair_terms(self, seq: Sequence, h: Handle, toks: list[int]
-                    ) -> tuple[list[tuple[int, int]], list[float]] | None:
+    def _pair_terms(self, seq: Sequence, h: Handle, toks: list[int]) -> _PairTerms | None:
         """A draft's token pairs and their learned terms as they stand now (None: pairs are not learned
         for this drafter, whose drafts are not known before the choice)."""
         if not (h.probe and toks):
@@ -667,7 +668,7 @@ class SpecDecoder:
         return pairs, [self.predictor.pair(h.idx, a, b) for a, b in pairs]
 
     def _pending(self, pend: dict[str, _Pending], i: int, seq: Sequence, st: _Req, h: Handle, dr: Draft,
-                 k: int, terms: tuple[list[tuple[int, int]], list[float]] | None = None) -> None:
+                 k: int, terms: _PairTerms | None = None) -> None:
         """``terms``: the draft's pair terms from the choice (``_pair_terms``), if it computed them."""
         toks = list(dr.tokens[:k])
         q = None
@@ -710,7 +711,7 @@ class SpecDecoder:
     _plan: Plan | None = None
 
     def _decide(self, seqs: list[Sequence], sts: list[_Req], caps: list[int], live: list[Handle],
-                probed: dict[int, list[Draft]], terms: dict[tuple[int, int], tuple[list[tuple[int, int]], list[float]]],
+                probed: dict[int, list[Draft]], terms: dict[tuple[int, int], _PairTerms],
                 prefill_tokens: int, sunk_ms: float) -> list[tuple[Handle | None, int]]:
         assert self.controller is not None
         pred = self.predictor
