@@ -61,7 +61,7 @@ def test_ngram_plugin_passes_its_drafter_check(monkeypatch: pytest.MonkeyPatch) 
     report = check_plugin("ngram")
     assert report.ok, report.summary()
     drafters = [r for r in report.results if r.check == "drafter proposes"]
-    assert [r.case for r in drafters] == ["prompt-lookup"] and drafters[0].ok
+    assert [r.case for r in drafters] == ["prompt-lookup", "suffix-lookup"] and all(r.ok for r in drafters)
 
 
 def test_unknown_plugin_is_a_finding() -> None:

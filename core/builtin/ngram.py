@@ -118,5 +118,10 @@ class PromptLookupDrafter:
 
 @hookimpl
 def dspark_drafters(target: TargetModel) -> list[DrafterSpec]:
+    from dspark.builtin.suffix import NGRAMS, SuffixDrafter  # it builds on this module's helpers
+
     return [DrafterSpec(name="prompt-lookup", kind="ngram", create=PromptLookupDrafter,
-                        description="n-gram lookup in the request's own context (n = 3..1)")]
+                        description="n-gram lookup in the request's own context (n = 3..1)"),
+            DrafterSpec(name="suffix-lookup", kind="ngram", create=SuffixDrafter,
+                        description="n-gram lookup in earlier requests' text (n = "
+                        + ", ".join(map(str, NGRAMS)) + ")")]

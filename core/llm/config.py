@@ -26,7 +26,8 @@ class SpeculativeConfig(BaseModel):
     drafter and the number of drafted tokens (0 = plain decoding) from
     predicted acceptance and measured costs; ``fixed`` always drafts
     ``num_speculative_tokens`` with one drafter (the first of ``drafters``, or
-    by preference the draft model, then self-drafting, then n-gram lookup).
+    by preference the draft model, then self-drafting, then n-gram lookup: the
+    request's own context before earlier requests' text).
 
     Greedy output is token-identical to plain decoding. Sampled output keeps
     the target's distribution exactly (the rejection rule), but a seeded

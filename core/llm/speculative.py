@@ -345,6 +345,7 @@ class SpecDecoder:
             return
         ids = [f"__spec_cal_{i}" for i in range(nseq)]
         ctx = {s: (pattern[i:] + pattern[:i]) * (ctx_len // len(pattern)) for i, s in enumerate(ids)}
+        before = {h.idx: h.obj.snapshot() for h in self.handles if _stateful(h)}  # timing calls teach nothing
         xs: list[list[float]] = []
         ys: list[float] = []
 
@@ -434,6 +435,9 @@ class SpecDecoder:
                 cache.free(s)
                 for h in self.handles:
                     self._tell(h, "release", s)
+            for h in self.handles:
+                if h.idx in before:
+                    h.obj.restore(before[h.idx])
             if self.controller is None and hasattr(self, "verify_cost"):
                 self.controller = self._make_controller()
 
@@ -800,8 +804,11 @@ class SpecDecoder:
         and calibration) and the verify and drafting cost models. For ``restore``: a benchmark that
         times the same requests several times restores it before each pass, so no pass is measured
         on requests DeepSpec has already learned from."""
-        return copy.deepcopy({"predictor": self.predictor, "verify_cost": getattr(self, "verify_cost", None),
+        snap = copy.deepcopy({"predictor": self.predictor, "verify_cost": getattr(self, "verify_cost", None),
                               "draft_costs": [h.cost for h in self.handles], "rate": self.rate})
+        # A built-in drafter that learns across requests (suffix-lookup's store) is learned state too.
+        snap["drafters"] = {h.idx: h.obj.snapshot() for h in self.handles if _stateful(h)}
+        return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         snap = copy.deepcopy(snap)  # the snapshot stays as it was, for the next restore
@@ -811,6 +818,9 @@ class SpecDecoder:
         for h, c in zip(self.handles, snap["draft_costs"]):
             h.cost = c
         self.rate = snap["rate"]
+        for h in self.handles:
+            if h.idx in snap["drafters"] and _stateful(h):
+                h.obj.restore(snap["drafters"][h.idx])
         if self.controller is not None:
             self.controller = self._make_controller()
 
@@ -835,6 +845,12 @@ class SpecDecoder:
 
     def calibration_table(self) -> list[dict[str, float]]:
         return self.predictor.total.table()
+
+
+def _stateful(h: Handle) -> bool:
+    """A built-in drafter whose learned state ``snapshot``/``restore`` cover (a third party's is its own)."""
+    return h.plugin in BUILTINS and callable(getattr(h.obj, "snapshot", None)) \
+        and callable(getattr(h.obj, "restore", None))
 
 
 def _low(ts: list[float]) -> float:

@@ -32,6 +32,7 @@ from dspark.llm.spec_verify import accept_greedy, accept_greedy_blocks, accept_s
 from dspark.plugin_manager import PluginHost
 from dspark.settings import PluginSettings
 from dspark.builtin.ngram import PromptLookupDrafter
+from dspark.builtin.suffix import SuffixDrafter
 from dspark.types import Draft, DrafterSpec, DraftRequest, TargetModel
 
 
@@ -98,7 +99,7 @@ def plain_outputs(target4: Path) -> list[list[int]]:
 # -- greedy identity ------------------------------------------------------------------------------
 
 SPECS = {
-    "ngram-k3": {"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 3},
+    "ngram-k3": {"strategy": "fixed", "drafters": ["prompt-lookup"], "num_speculative_tokens": 3},
     "self-k2": {"strategy": "fixed", "drafters": ["self"], "num_speculative_tokens": 2, "exit_layer": 2},
     "model-k5": {"strategy": "fixed", "drafters": ["model"], "num_speculative_tokens": 5},
     "deepspec": {"strategy": "deepspec"},
@@ -618,6 +619,7 @@ def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
     t = TargetModel(name=target4.name, path=str(target4), vocab_size=320, num_layers=4, hidden_size=64)
     offers = {o.name: o for o in collect_drafters(host, t)}
     assert offers["prompt-lookup"].plugin == "ngram"
+    assert offers["suffix-lookup"].plugin == "ngram" and offers["suffix-lookup"].kind == "ngram"
     assert offers["draft-model:tiny4-draft"].plugin == "drafters" and offers["draft-model:tiny4-draft"].kind == "model"
     assert "self-draft" not in offers  # only for a target running in this process (target.runtime)
 
@@ -690,6 +692,60 @@ def test_lookup_drafts_say_where_they_were_copied_from() -> None:
     batch = d.propose_batch([DraftRequest("s", ctx, 3)])[0]
     assert one.tokens == batch.tokens == [22, 23, 20] and one.source == batch.source == 9 >= len(prompt)
     assert d.propose([1, 2, 3], 3).source is None and d.propose_batch([DraftRequest("t", [1, 2, 3], 3)])[0].source is None
+
+
+def test_suffix_lookup_drafts_what_followed_in_earlier_requests() -> None:
+    d = SuffixDrafter()
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert d.propose_batch([DraftRequest("a", first, 4)])[0].tokens == []  # nothing stored yet
+    assert d.stored_tokens == 0
+    d.release("a")  # finished: its text is stored
+    assert d.stored_tokens == len(first)
+    # Another request whose last 4 tokens occurred in the first: what followed them there.
+    ctx = [50, 51, 3, 4, 5, 6]
+    got = d.propose_batch([DraftRequest("b", ctx, 3)])[0]
+    assert got.tokens == [7, 8, 9] and got.source is None  # not a copy of its own context
+    assert got.confidence == [4 / 6] * 3  # the true match is 4 tokens: 50, 51 differ from 1, 2
+    longer = d.propose([0, 1, 2, 3, 4, 5, 6], 3)
+    assert longer.tokens == [7, 8, 9] and longer.confidence == [6 / 8] * 3
+    assert d.propose(ctx, 20).tokens == [7, 8, 9, 10, 11, 12]  # a draft ends where the stored text does
+    assert d.propose([3, 4, 5], 3).tokens == []  # shorter than the shortest n-gram matched
+    assert d.propose([9, 9, 9, 9], 3).tokens == [] and d.propose(ctx, 0).tokens == []
+    d.release("b")  # the latest occurrence wins: b's continuation of 3, 4, 5, 6 was nothing (end of text)
+    d.add([3, 4, 5, 6, 99, 98])
+    assert d.propose(ctx, 2).tokens == [99, 98]
+    d.release("never-seen")  # a release for a sequence it never drafted for changes nothing
+    assert d.stored_tokens == len(first) + len(ctx) + 6
+
+
+def test_suffix_lookup_store_is_bounded_and_drops_the_oldest_text() -> None:
+    d = SuffixDrafter(max_tokens=100)
+    texts = [[1000 + 40 * i + j for j in range(40)] for i in range(5)]  # 40 distinct tokens each
+    for t in texts:
+        d.add(t)
+        assert d.stored_tokens <= 100
+    assert d.propose(texts[0][:8], 2).tokens == []  # the oldest went
+    assert d.propose(texts[-1][:8], 2).tokens == texts[-1][8:10]  # the newest is there
+    kept = [i for i, t in enumerate(texts) if d.propose(t[:8], 1).tokens]
+    assert kept == list(range(5 - len(kept), 5)) and d.stored_tokens == 40 * len(kept)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SuffixDrafter(max_tokens=0)
+
+
+@pytest.mark.parametrize("spec", [{"strategy": "fixed", "drafters": ["suffix-lookup"], "num_speculative_tokens": 4},
+                                  {"strategy": "deepspec", "drafters": ["suffix-lookup"]}], ids=["fixed", "deepspec"])
+def test_a_repeated_request_is_drafted_from_the_first_ones_text(spec: dict[str, Any], spec_llm: Callable[..., LLM],
+                                                               plain_outputs: list[list[int]]) -> None:
+    llm = spec_llm(spec)
+    prompt, n = _prompts()[0], GREEDY_LENS[0]
+    assert llm.generate([prompt], _greedy(n))[0].token_ids == plain_outputs[0]
+    before = llm.stats().spec_drafters["suffix-lookup"]
+    assert before["accepted_tokens"] == 0  # nothing to draft from but its own unfinished text
+    assert llm.generate([prompt], _greedy(n))[0].token_ids == plain_outputs[0]
+    after = llm.stats().spec_drafters["suffix-lookup"]
+    # The second time, the first request's output is in the store and every drafted token holds.
+    assert after["accepted_tokens"] >= n // 2
+    assert after["accepted_tokens"] == after["draft_tokens"]
 
 
 def test_the_predictor_learns_that_copies_of_the_output_hold_better_than_copies_of_the_prompt() -> None:
@@ -773,9 +829,12 @@ def test_deepspec_learned_state_is_restored_from_a_snapshot(spec_llm: Callable[.
     assert spec.predictor.models[0].w != w0 and spec.verify_cost.theta != theta0
     assert llm.generate([[7, 8, 9, 10, 11] * 5], _greedy(12))[0].token_ids
     assert spec.rate is not None and spec.rate > 0  # the sustained rate, learned from decode steps
+    suffix = next(h.obj for h in spec.handles if h.name == "suffix-lookup")
+    assert suffix.stored_tokens > 0  # the finished request's text
     for _ in range(2):  # the snapshot itself is not consumed by a restore
         spec.restore(snap)
         assert spec.predictor.models[0].w == w0 and spec.verify_cost.theta == theta0 and spec.rate is None
+        assert suffix.stored_tokens == 0 and suffix.propose([7, 8, 9, 10, 11] * 5, 4).tokens == []
         assert not spec.predictor.pairs[0].counts and spec.controller.verify is spec.verify_cost
         spec.predictor.observe(0, features(0.6, 0.7, 2, 0.5, 300), 0.5, True, pair=(3, 4))
 
