@@ -128,7 +128,8 @@ def main() -> None:
     def mk(**spec: Any) -> LLM:
         return LLM(model, dtype="float32", max_batch_size=1, max_total_tokens=2048, speculative_decoding=spec)
 
-    llms = {f"fixed ngram k={args.k}": mk(strategy="fixed", drafters=["ngram"], num_speculative_tokens=args.k),
+    llms = {f"fixed prompt-lookup k={args.k}": mk(strategy="fixed", drafters=["prompt-lookup"],
+                                                 num_speculative_tokens=args.k),
             "deepspec": mk(strategy="deepspec")}
     first = next(iter(llms.values()))
     work = make_workloads(first, model, args.n, args.out)
@@ -154,7 +155,7 @@ def main() -> None:
 
     print(f"{args.rounds} rounds of {len(WORKLOADS)} x {args.n} requests x {args.out} tokens, greedy, batch 1; "
           "ms summed over the rounds\n")
-    print(f"{'contender':<18} {'steps':>6} {'plain':>6} {'mean k':>7} {'all ms':>8} {'prefill':>8} {'decode':>8} "
+    print(f"{'contender':<24} {'steps':>6} {'plain':>6} {'mean k':>7} {'all ms':>8} {'prefill':>8} {'decode':>8} "
           f"{'forward':>8} {'draft':>7} {'learn':>7} {'rest':>7} {'rest/step':>9}")
     dec_steps: dict[str, list[dict[str, float]]] = {}
     totals: dict[str, tuple[float, float]] = {}
@@ -167,7 +168,7 @@ def main() -> None:
         rest = dms - fwd - dr - le
         drafted = [s.get("drafted", 0) for s in dec if s.get("drafted")]
         totals[name] = (tot, dms)
-        print(f"{name:<18} {len(dec):6d} {sum(1 for s in dec if not s.get('drafted')):6d} "
+        print(f"{name:<24} {len(dec):6d} {sum(1 for s in dec if not s.get('drafted')):6d} "
               f"{(sum(drafted) / len(drafted) if drafted else 0):7.2f} {tot:8.0f} {tot - dms:8.0f} {dms:8.0f} "
               f"{fwd:8.0f} {dr:7.0f} {le:7.0f} {rest:7.0f} {rest / len(dec):9.3f}")
 
@@ -177,7 +178,7 @@ def main() -> None:
         A = np.array([row(s) for s in dec])
         y = np.array([s["ms"] for s in dec])
         fits[name], *_ = np.linalg.lstsq(A, y, rcond=None)
-        print(f"  {name:<18} " + "  ".join(f"{c}: {v:.3f}" for c, v in zip(COLS, fits[name])))
+        print(f"  {name:<24} " + "  ".join(f"{c}: {v:.3f}" for c, v in zip(COLS, fits[name])))
     for name, dec in dec_steps.items():
         pred = float(sum(np.dot(fits["joint"], row(s)) for s in dec))
         print(f"  joint fit on {name}'s decode steps: {pred:.0f} ms predicted, {totals[name][1]:.0f} ms taken "

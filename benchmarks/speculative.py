@@ -102,6 +102,7 @@ class Contender:
         self.times: dict[str, list[float]] = {w: [] for w in WORKLOADS}
         self.outputs: dict[str, list[list[int]]] = {}
         self.spec_delta: dict[str, dict[str, dict[str, float]]] = {}
+        self.llm: LLM | None = None  # a dspark contender's engine
 
     def start_round(self, work: dict[str, list[list[int]]]) -> None:
         """A round request by request (``one``): learned state restored, times and counts from 0."""
@@ -150,7 +151,9 @@ def dspark_contender(llm: LLM, name: str) -> Contender:
     def run(prompt: list[int], n: int) -> list[int]:
         return llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
 
-    return Contender(name, run, llm.stats if llm.engine.spec is not None else None)
+    c = Contender(name, run, llm.stats if llm.engine.spec is not None else None)
+    c.llm = llm
+    return c
 
 
 def learned_restorer(llm: LLM) -> Callable[[], None]:
@@ -202,11 +205,11 @@ def batch_section(model: Path, dtype: str, work: dict[str, list[list[int]]], war
     outs: dict[str, list[list[int]]] = {}
     for llm in llms.values():
         llm.generate([q for w in WORKLOADS for q in warm[w]], p)  # warm-up, on other prompts
-    restore = learned_restorer(llms["deepspec"])
+    restore = {n: learned_restorer(llm) for n, llm in llms.items() if llm.engine.spec is not None}
     for _ in range(rounds):
         for n, llm in llms.items():
-            if n == "deepspec":
-                restore()
+            if n in restore:
+                restore[n]()
             t0 = time.perf_counter()
             outs[n] = [o.token_ids for o in llm.generate(prompts, p)]
             times[n].append(time.perf_counter() - t0)
@@ -254,8 +257,9 @@ def main() -> None:
 
     deep = spec_llm(strategy="deepspec")
     sd = deep.engine.spec
-    drafters = [(h.kind, h.name) for h in sd.handles]
-    print("drafters offered: " + ", ".join(f"{n} ({k}, plugin {h.plugin})" for (k, n), h in zip(drafters, sd.handles)))
+    # Each drafter is swept on its own, by name (two of the built-ins are lookups of kind ngram).
+    drafters = [(h.name.split(":")[0], h.name) for h in sd.handles]
+    print("drafters offered: " + ", ".join(f"{n} ({h.kind}, plugin {h.plugin})" for (_, n), h in zip(drafters, sd.handles)))
     base = dspark_contender(plain, "plain")
     base.pass_(work, n_out, timed=False)
     ref = base.outputs
@@ -263,17 +267,21 @@ def main() -> None:
     # ---- the k sweep: one timed pass per (drafter, k), one engine per drafter, k changed between passes
     fixed_llms = {kind: spec_llm(strategy="fixed", drafters=[kind], num_speculative_tokens=ks[0])
                   for kind, _ in drafters}
+    # A drafter that learns across requests (suffix-lookup) starts every sweep pass from what it knew
+    # before the sweep: no pass drafts from the same requests' outputs stored by an earlier one.
+    fresh = {kind: learned_restorer(llm) for kind, llm in fixed_llms.items()}
     sweep: dict[tuple[str, int], dict[str, float]] = {}
     t_sweep = time.perf_counter()
     base.pass_(work, n_out, timed=True)  # plain alongside the sweep, for its ratios
     long_k = deep.engine.spec.cfg.max_k  # DeepSpec's own ceiling
     # Beyond the brief's sweep of 1..8: lookup drafts are nearly free and loops are long, so a fixed
     # lookup as long as DeepSpec may go is shown for reference (it is not a contender for "best fixed").
-    extra = {"ngram": sorted({16, long_k})}
+    extra = {"prompt-lookup": sorted({16, long_k})}
     for kind, llm in fixed_llms.items():
         for k in ks + extra.get(kind, []):
             llm.engine.spec.cfg = llm.engine.spec.cfg.model_copy(update={"num_speculative_tokens": k})
             c = dspark_contender(llm, f"fixed {kind} k={k}")
+            c.restore = fresh[kind]
             c.pass_(work, n_out, timed=True)
             sweep[(kind, k)] = {w: c.tps(w, n_tok[w]) for w in WORKLOADS}
             sweep[(kind, k)]["mix"] = sum(n_tok.values()) / sum(c.times[w][0] for w in WORKLOADS)
@@ -282,12 +290,12 @@ def main() -> None:
                 print(f"  WARNING fixed {kind} k={k}: outputs differ from plain on {bad}")
     plain_mix = sum(n_tok.values()) / sum(base.times[w][0] for w in WORKLOADS)
     print(f"\nk sweep (one pass each, {time.perf_counter() - t_sweep:.0f} s): tokens/s; plain mix {plain_mix:.1f}")
-    print(f"{'drafter':<8} {'k':>2} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")))
+    print(f"{'drafter':<14} {'k':>2} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")))
     best_k: dict[str, int] = {}
     for kind, _ in drafters:
         for k in ks + extra.get(kind, []):
             r = sweep[(kind, k)]
-            print(f"{kind:<8} {k:>2} " + " ".join(f"{r[w]:7.1f}" for w in (*WORKLOADS, "mix"))
+            print(f"{kind:<14} {k:>2} " + " ".join(f"{r[w]:7.1f}" for w in (*WORKLOADS, "mix"))
                   + ("   (outside the 1..8 sweep)" if k not in ks else ""))
         best_k[kind] = max(ks, key=lambda k: sweep[(kind, k)]["mix"])
         print(f"  best k for {kind} on the mix: {best_k[kind]}; per workload: "
@@ -308,9 +316,9 @@ def main() -> None:
                                            f"fixed {lead} k={k}"))
     contenders.append(dspark_contender(deep, "deepspec"))
     long_lookup = None
-    if "ngram" in fixed_llms:  # the same lookup drafter at DeepSpec's max_k, outside the brief's sweep
-        long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["ngram"], num_speculative_tokens=long_k),
-                                       f"(fixed ngram k={long_k})")
+    if "prompt-lookup" in fixed_llms:  # the same lookup drafter at DeepSpec's max_k, outside the brief's sweep
+        long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["prompt-lookup"],
+                                                num_speculative_tokens=long_k), f"(fixed prompt-lookup k={long_k})")
         contenders.append(long_lookup)
     draft_path = next((Path(n.split(":", 1)[1]) for _, n in drafters if n.startswith("draft-model:")), None)
     if draft_path is not None:
@@ -325,7 +333,9 @@ def main() -> None:
     for c in contenders:
         c.pass_(warm, n_out, timed=False)  # warm-up on other prompts (DeepSpec learns from them)
     d = next(c for c in contenders if c.name == "deepspec")
-    d.restore = learned_restorer(deep)
+    for c in contenders:  # what each engine learned in the warm-up is restored before every round
+        if c.llm is not None and c.llm.engine.spec is not None:
+            c.restore = learned_restorer(c.llm)
     for rnd in range(rounds):
         for c in contenders:
             c.start_round(work)
@@ -341,12 +351,12 @@ def main() -> None:
 
     print(f"\ntokens/s, batch 1, greedy, median of {rounds} rounds interleaved request by request (load average now "
           f"{os.getloadavg()[0]:.1f})")
-    print(f"{'contender':<20} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain")
+    print(f"{'contender':<26} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain")
     for c in contenders:
         if c is first:
             continue
         same = all(c.outputs[w] == ref[w] for w in WORKLOADS)
-        print(f"{c.name:<20} " + " ".join(f"{c.tps(w, n_tok[w]):7.1f}" for w in WORKLOADS)
+        print(f"{c.name:<26} " + " ".join(f"{c.tps(w, n_tok[w]):7.1f}" for w in WORKLOADS)
               + f" {mix(c):7.1f}   {same}")
     t_first = {w: statistics.median(first.times[w]) for w in WORKLOADS}
     print("time to the first token (prefill and one step), s per workload pass: "
