@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: fixed lookup drafting vs DeepSpec, step by step.
 
-Usage: .venv/bin/python benchmarks/spec_costs.py [--n 4] [--out 128] [--rounds 3] [--k 7]
+Usage: .venv/bin/python benchmarks/spec_costs.py [--n 4] [--out 128] [--rounds 3] [--k 7] [--drafters A,B]
 
 On the workloads of benchmarks/speculative.py (greedy, batch 1), runs a fixed
 n-gram lookup configuration (k drafted tokens every step; k=7 is the best
@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--out", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=7, help="the fixed lookup configuration's k")
+    ap.add_argument("--drafters", default=None, help="DeepSpec's drafters, comma-separated names (default: every "
+                    "offer), e.g. prompt-lookup,draft-model,self-draft to leave suffix-lookup out")
     args = ap.parse_args()
     model = default_model_path()
 
@@ -130,7 +132,7 @@ def main() -> None:
 
     llms = {f"fixed prompt-lookup k={args.k}": mk(strategy="fixed", drafters=["prompt-lookup"],
                                                  num_speculative_tokens=args.k),
-            "deepspec": mk(strategy="deepspec")}
+            "deepspec": mk(strategy="deepspec", drafters=args.drafters.split(",") if args.drafters else None)}
     first = next(iter(llms.values()))
     work = make_workloads(first, model, args.n, args.out)
     warm = make_workloads(first, model, args.n, args.out, first=args.n)

@@ -17,9 +17,11 @@ workloads:
 Contenders, every one on the same checkpoint, dtype and thread count:
 
   plain           dspark without speculation
-  fixed D k       dspark, strategy fixed, drafter D (draft model, self-draft,
-                  n-gram lookup), k drafted tokens; k swept over 1..8 (quick:
-                  1, 2, 4, 8) in one pass, then the best k per drafter (on the
+  fixed D k       dspark, strategy fixed, drafter D (by name: draft-model,
+                  self-draft, prompt-lookup in the request's own context,
+                  suffix-lookup in earlier requests' text), k drafted
+                  tokens; k swept over 1..8 (quick: 1, 2, 4, 8) in one
+                  pass, then the best k per drafter (on the
                   mix of workloads) timed with the others, and for the best
                   drafter its two runners-up too: the best fixed configuration
                   is the best of the timed ones
@@ -32,11 +34,13 @@ Contenders, every one on the same checkpoint, dtype and thread count:
 
 Every contender gets one untimed warm-up pass over other prompts of the same
 workloads (the next held-out files and open prompts): DeepSpec's predictor
-and cost models learn online, as they would from earlier traffic in a server.
-What DeepSpec has learned then is restored before each timed round, so it
-never meets a timed request it has learned from (it learns within the round,
-as it goes). Then ``--rounds`` timed rounds, interleaved request by request:
-each prompt is run by every contender in turn (the order rotating), so a
+and cost models learn online, and suffix-lookup stores finished requests'
+text, as they would from earlier traffic in a server. What each engine has
+learned then is restored before each timed round (and what it knew before
+the sweep, before each sweep pass), so none meets a timed request it has
+learned from (it learns within the round, as it goes). Then ``--rounds``
+timed rounds, interleaved request by request: each prompt is run by every
+contender in turn (the order rotating), so a
 slow spell of the machine falls on all of them alike. tokens/s = generated
 tokens / median over rounds of the summed request times; the ratio to the
 best fixed configuration is also given per round, and decode only: the time

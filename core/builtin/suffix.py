@@ -1,15 +1,18 @@
 """Built-in lookup across requests (drafter ``suffix-lookup``, in plugin ``ngram``).
 
 Proposes what followed the context's last n tokens in the text of earlier
-requests (their prompts and outputs, kept when each finishes): the idea of
-SuffixDecoding (Oliaro et al., 2024; vLLM's ``suffix`` method). Where
+requests (their prompts and outputs, kept when each finishes): the global
+store of SuffixDecoding (arXiv 2411.04975, vLLM's ``suffix`` method), here
+as n-gram lookups rather than a frequency-weighted suffix tree; the
+request's own text is ``prompt-lookup``'s. Where
 ``prompt-lookup`` only copies from the request's own context, this one also
 drafts at a request's start, and where a model says what it has said to
 others (a small model's code idioms, a template, an agent's repeated tool
-calls). Measured here on the embedded model (benchmarks/speculative.py's
-code workload): where the request's own longest match was under 4 tokens, a
-match of 16+ tokens in earlier requests' text held for 21-25 tokens on
-average, the request's own copy for 4-6.
+calls). Measured on the embedded model (benchmarks/suffix_replay.py, on the
+code workload of benchmarks/speculative.py): where the request's own match
+was 1-7 tokens and the store's 16 or more, the store's draft held for 22-25
+tokens on average, the request's own for 4-6; where both matched 16+, the
+store's held for 2, the own for 26. DeepSpec learns which to take.
 
 The n-grams matched are long (16, 8, 4 tokens), longest first, latest
 occurrence first; a draft's confidence comes from the true length of the
@@ -17,7 +20,7 @@ match (up to 32 tokens), as for ``prompt-lookup``, so the controller learns
 how far each holds. Memory is bounded: past ``max_tokens`` stored tokens the
 oldest requests' text is dropped (up to ~0.75 KB per stored token, ~50 MB at
 the default cap; storing a finished 600-token request takes ~5 ms, a lookup
-a few microseconds).
+5-12 us).
 
 The store is shared by every request of one engine: one user's text can
 shape what is drafted for another's. That changes speed only, never output
