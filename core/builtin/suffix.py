@@ -69,7 +69,8 @@ class SuffixDrafter:
         self._texts[no] = toks
         self._stored += len(toks)
         if self._stored > self.max_tokens:
-            while self._stored > self.max_tokens // 2:  # drop to half, so rebuilding is amortised
+            # Drop to half, so rebuilding is amortised; the newest text stays whatever its length.
+            while self._stored > self.max_tokens // 2 and len(self._texts) > 1:
                 self._stored -= len(self._texts.pop(next(iter(self._texts))))
             self._index = {}
             for n_, t in self._texts.items():

@@ -728,6 +728,12 @@ def test_suffix_lookup_store_is_bounded_and_drops_the_oldest_text() -> None:
     assert d.propose(texts[-1][:8], 2).tokens == texts[-1][8:10]  # the newest is there
     kept = [i for i, t in enumerate(texts) if d.propose(t[:8], 1).tokens]
     assert kept == list(range(5 - len(kept), 5)) and d.stored_tokens == 40 * len(kept)
+    long = [2000 + j for j in range(90)]  # more than half the cap: it stays, the rest goes
+    d.add(long)
+    assert d.stored_tokens == 90 and d.propose(long[:8], 2).tokens == long[8:10]
+    d.add(list(range(3000, 3300)))  # longer than the cap: its last 100 tokens are kept
+    assert d.stored_tokens == 100 and d.propose(list(range(3200, 3208)), 1).tokens == [3208]
+    assert d.propose(list(range(3100, 3108)), 1).tokens == []
     with pytest.raises(ValueError, match="max_tokens"):
         SuffixDrafter(max_tokens=0)
 
