@@ -101,12 +101,12 @@ def make_workloads(llm: LLM, model: Path, n: int, out_tokens: int, first: int = 
 
 class Contender:
     def __init__(self, name: str, run: Callable[[list[int], int], list[int]], stats: Callable[[], Any] | None = None,
-                 restore: Callable[[], None] | None = None):
+                 restore: Callable[[], None] | None = None, llm: LLM | None = None):
         self.name, self.run, self.stats, self.restore = name, run, stats, restore
+        self.llm = llm  # a dspark contender's engine
         self.times: dict[str, list[float]] = {w: [] for w in WORKLOADS}
         self.outputs: dict[str, list[list[int]]] = {}
         self.spec_delta: dict[str, dict[str, dict[str, float]]] = {}
-        self.llm: LLM | None = None  # a dspark contender's engine
 
     def start_round(self, work: dict[str, list[list[int]]]) -> None:
         """A round request by request (``one``): learned state restored, times and counts from 0."""
@@ -155,9 +155,7 @@ def dspark_contender(llm: LLM, name: str) -> Contender:
     def run(prompt: list[int], n: int) -> list[int]:
         return llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
 
-    c = Contender(name, run, llm.stats if llm.engine.spec is not None else None)
-    c.llm = llm
-    return c
+    return Contender(name, run, llm.stats if llm.engine.spec is not None else None, llm=llm)
 
 
 def learned_restorer(llm: LLM) -> Callable[[], None]:

@@ -345,7 +345,7 @@ class SpecDecoder:
             return
         ids = [f"__spec_cal_{i}" for i in range(nseq)]
         ctx = {s: (pattern[i:] + pattern[:i]) * (ctx_len // len(pattern)) for i, s in enumerate(ids)}
-        before = {h.idx: h.obj.snapshot() for h in self.handles if _stateful(h)}  # timing calls teach nothing
+        before = self._drafter_states()  # timing calls teach the drafters nothing
         xs: list[list[float]] = []
         ys: list[float] = []
 
@@ -435,9 +435,7 @@ class SpecDecoder:
                 cache.free(s)
                 for h in self.handles:
                     self._tell(h, "release", s)
-            for h in self.handles:
-                if h.idx in before:
-                    h.obj.restore(before[h.idx])
+            self._load_drafter_states(before)
             if self.controller is None and hasattr(self, "verify_cost"):
                 self.controller = self._make_controller()
 
@@ -806,23 +804,30 @@ class SpecDecoder:
         on requests DeepSpec has already learned from."""
         snap = copy.deepcopy({"predictor": self.predictor, "verify_cost": getattr(self, "verify_cost", None),
                               "draft_costs": [h.cost for h in self.handles], "rate": self.rate})
-        # A built-in drafter that learns across requests (suffix-lookup's store) is learned state too.
-        snap["drafters"] = {h.idx: h.obj.snapshot() for h in self.handles if _stateful(h)}
+        snap["drafters"] = self._drafter_states()
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
-        snap = copy.deepcopy(snap)  # the snapshot stays as it was, for the next restore
+        drafters = snap["drafters"]  # their own restore copies what it keeps
+        snap = copy.deepcopy({k: v for k, v in snap.items() if k != "drafters"})  # the snapshot stays as it was
         self.predictor = snap["predictor"]
         if snap["verify_cost"] is not None:
             self.verify_cost = snap["verify_cost"]
         for h, c in zip(self.handles, snap["draft_costs"]):
             h.cost = c
         self.rate = snap["rate"]
-        for h in self.handles:
-            if h.idx in snap["drafters"] and _stateful(h):
-                h.obj.restore(snap["drafters"][h.idx])
+        self._load_drafter_states(drafters)
         if self.controller is not None:
             self.controller = self._make_controller()
+
+    def _drafter_states(self) -> dict[int, Any]:
+        """What built-in drafters learn across requests (suffix-lookup's store), by handle."""
+        return {h.idx: h.obj.snapshot() for h in self.handles if _stateful(h)}
+
+    def _load_drafter_states(self, states: dict[int, Any]) -> None:
+        for h in self.handles:
+            if h.idx in states and _stateful(h):
+                h.obj.restore(states[h.idx])
 
     # -- reporting ----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
