@@ -16,14 +16,15 @@ if TYPE_CHECKING:
     from dspark.llm.kv_cache import PageAllocator, PagedKVCache
     from dspark.llm.loader import CheckpointError, ModelConfig, load_checkpoint
     from dspark.llm.model import ModelRunner, SeqChunk
-    from dspark.llm.sampling import SamplingParams
+    from dspark.llm.logits import TokenLogprobs
+    from dspark.llm.sampling import GuidedSpec, SamplingParams
 
 _WHERE = {
     "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "optimize_model": "api", "EngineConfig": "config",
     "EngineStats": "engine", "LLMEngine": "engine", "RequestOutput": "engine", "Usage": "engine",
     "PageAllocator": "kv_cache", "PagedKVCache": "kv_cache", "CheckpointError": "loader",
     "ModelConfig": "loader", "load_checkpoint": "loader", "ModelRunner": "model", "SeqChunk": "model",
-    "SamplingParams": "sampling",
+    "SamplingParams": "sampling", "GuidedSpec": "sampling", "TokenLogprobs": "logits",
 }
 
 __all__ = sorted(_WHERE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,10 @@ from typing import Any
 import torch
 
 from dspark.llm.config import EngineConfig
+from dspark.llm.logits import LogprobsPrefix, TokenLogprobs, batch_logprobs, process, token_logprobs
 from dspark.llm.model import ModelRunner, SeqChunk
 from dspark.llm.sampling import SamplingParams, sample
-from dspark.llm.scheduler import Scheduler, Sequence, Status
+from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     usage: Usage
     num_preemptions: int = 0
+    # One entry per token of ``token_ids`` (raw logprobs, vLLM's default) when params.logprobs is set.
+    # A read-only view the length of ``token_ids``: ``logprobs[n_before:]`` is a stream's new part.
+    logprobs: Seq[TokenLogprobs] | None = None
+    first_scheduled: float | None = None  # time.perf_counter() when first scheduled (queue time = it - arrival)
+    # With params.prompt_logprobs: entry k is prompt token k + 1's (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +83,15 @@ class LLMEngine:
         if config is not None and config_kw:
             raise TypeError("pass either config= or engine keyword arguments, not both")
         self.model_path = Path(model)
+        cfg = config or EngineConfig(**config_kw)
+        if cfg.max_model_len is not None and (self.model_path / "config.json").exists():
+            from dspark.llm.loader import load_config
+
+            _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)  # before loading
         self.runner = ModelRunner.from_pretrained(str(model), dtype)
         mcfg = self.runner.cfg
-        cfg = config or EngineConfig(**config_kw)
+        if cfg.max_model_len is not None:
+            _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
         max_len = cfg.max_model_len or mcfg.max_position_embeddings
         if cfg.max_model_len is None and mcfg.sliding_window is not None:
             max_len = min(max_len, mcfg.sliding_window)  # within the window, full attention is exact
@@ -181,9 +195,19 @@ class LLMEngine:
             # Refuse now: a request that cannot fit even alone would otherwise preempt forever.
             raise ValueError(f"request {request_id!r} may need {worst} KV tokens (prompt {len(ids)} + "
                              f"max_tokens {params.max_tokens}) but max_total_tokens allows {cap}")
+        vocab = self.runner.cfg.vocab_size
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        constraint = None
+        if params.guided is not None:
+            from dspark.llm.structured import build_constraint
+
+            constraint = build_constraint(self, params.guided)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return Sequence(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                        prompt_ids=ids, params=params, priority=priority, arrival=0, generator=gen)
+                        prompt_ids=ids, params=params, priority=priority, arrival=0, generator=gen,
+                        constraint=constraint)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
@@ -222,11 +246,12 @@ class LLMEngine:
         if self.spec is not None:
             spec_out: list[RequestOutput] = self.spec.step(planned, t0)
             return spec_out
-        chunks = [SeqChunk(p.seq.request_id, p.seq.all_ids[p.seq.num_computed : p.seq.num_computed + p.num_tokens])
-                  for p in planned]
+        chunks = [self._chunk(p) for p in planned]
         logits = self.runner.step(self.cache, chunks)
+        for i in [i for i, ch in enumerate(chunks) if ch.all_logits]:
+            logits[i] = self._prompt_logprobs(planned[i].seq, logits[i])
         # Greedy rows take one batched argmax (the same pick as sample() makes row by row).
-        greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy]
+        greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
         picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist())) \
             if len(greedy) > 1 else {}
         outputs = []
@@ -236,7 +261,7 @@ class LLMEngine:
             seq.num_computed += p.num_tokens
             if not completes:
                 continue  # mid-prompt chunk: nothing to sample yet
-            tok = picks[i] if i in picks else sample(lg, seq.params, seq.generator or self._default_gen)
+            tok = picks[i] if i in picks else self._sample(seq, lg)
             seq.output_ids.append(tok)
             self._check_stop(seq, tok)
             outputs.append(self._output(seq))
@@ -245,18 +270,60 @@ class LLMEngine:
         self.scheduler.record_step((time.perf_counter() - t0) * 1e3)
         return outputs
 
+    def _chunk(self, p: ScheduledChunk) -> SeqChunk:
+        """A planned prefill or decode chunk; with every row's logits while prompt logprobs are wanted."""
+        s, a = p.seq, p.seq.num_computed
+        return SeqChunk(s.request_id, s.all_ids[a : a + p.num_tokens], all_logits=self._wants_prompt_lp(s))
+
+    @staticmethod
+    def _wants_prompt_lp(s: Sequence) -> bool:
+        # Until every prompt entry is in: a recompute after preemption only fills in what is missing.
+        return s.params.prompt_logprobs is not None and s.num_computed <= len(s.prompt_logprobs) < len(s.prompt_ids) - 1
+
+    def _prompt_logprobs(self, s: Sequence, rows: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs a prefill chunk's ``rows`` [n, vocab] give that are not in yet
+        (called before ``num_computed`` advances); returns the last row, the one sampled from."""
+        a, m = s.num_computed, len(s.prompt_logprobs)  # row r predicts prompt token a + r + 1
+        targets = s.prompt_ids[m + 1 : min(a + rows.shape[0], len(s.prompt_ids) - 1) + 1]
+        if targets:
+            s.prompt_logprobs += batch_logprobs(rows[m - a : m - a + len(targets)], targets,
+                                                s.params.prompt_logprobs or 0)
+        return rows[-1]
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> int:
+        """The next token of ``seq`` from its fp32 logits ``row``, which is then emitted: its raw logprob
+        is recorded and the grammar advanced. Plain sequences go straight to ``sample``."""
+        p = seq.params
+        gen = seq.generator or self._default_gen
+        if seq.plain:
+            return sample(row, p, gen)
+        proc = process(row, seq.prompt_ids, seq.output_ids, p, seq.constraint, self.eos_ids) \
+            if p.needs_processing or seq.constraint is not None else row
+        tok = sample(proc, p, gen)
+        if p.logprobs is not None:
+            seq.logprobs.append(token_logprobs(row, tok, p.logprobs))
+        if seq.constraint is not None:
+            seq.constraint.accept(tok)
+        return tok
+
     def _check_stop(self, seq: Sequence, tok: int, decode: bool = True) -> None:
         """Finish ``seq`` if ``tok`` (just appended) ends it. ``decode=False`` skips decoding the text,
         for a caller appending several tokens at once that decodes once afterwards (``_set_text``);
         only allowed without stop strings, which need the text after every token."""
         p = seq.params
-        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
+        early = len(seq.output_ids) < p.min_tokens  # as vLLM: no stop checks before min_tokens
+        stop_tok = not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids))
+        if seq.constraint is not None and seq.constraint.is_terminated():
+            stop_tok = True  # the grammar ended (on EOS): nothing may follow
         if decode or p.stop:
             self._set_text(seq, stop_tok)
         reason = "stop" if stop_tok else None
-        if p.stop and reason is None:
-            # The earliest match wins; text before it is the output.
-            hits = [i for s in p.stop if (i := seq.text.find(s)) >= 0]
+        if early and p.stop:
+            seq.stop_floor = len(seq.text)
+        elif p.stop and reason is None:
+            # The earliest match wins; text before it is the output. A match must end past the text
+            # of the first min_tokens - 1 tokens.
+            hits = [i for s in p.stop if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
             if hits:
                 seq.text, reason = seq.text[: min(hits)], "stop"
         if reason is None and (len(seq.output_ids) >= p.max_tokens
@@ -284,6 +351,10 @@ class LLMEngine:
             text=seq.text, token_ids=list(seq.output_ids), delta=delta, finished=finished,
             finish_reason=seq.finish_reason, usage=Usage(len(seq.prompt_ids), len(seq.output_ids)),
             num_preemptions=seq.num_preemptions,
+            logprobs=None if seq.params.logprobs is None else LogprobsPrefix(seq.logprobs, len(seq.output_ids)),
+            first_scheduled=seq.first_scheduled,
+            # Complete before the first output, and never changed after: no copy.
+            prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
         )
 
     def stats(self) -> EngineStats:
@@ -296,6 +367,11 @@ class LLMEngine:
             effective_max_batch=self.scheduler.effective_max_batch,
             **(self.spec.stats() if self.spec is not None else {}),
         )
+
+
+def _check_max_len(max_model_len: int, max_pos: int) -> None:
+    if max_model_len > max_pos:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
 
 
 def _load_tokenizer(root: Path) -> Any:

@@ -6,17 +6,51 @@ its own seed and logits, never on which other requests share the batch.
 
 from __future__ import annotations
 
+import json
+import math
+from typing import Literal
+
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI and vLLM's default
+
+
+class GuidedSpec(BaseModel):
+    """What output must look like; pure data: ``dspark.llm.structured`` compiles it into a constraint.
+
+    ``value``: the schema as JSON text (json_schema), the regex, the grammar
+    text, or a JSON list of strings (choice); None for json_object.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+    value: str | None = None
+
+    @model_validator(mode="after")
+    def _value_needed(self) -> GuidedSpec:
+        if self.kind != "json_object" and not self.value:
+            raise ValueError(f"guided decoding of kind {self.kind!r} needs a value")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.value or "")
+            except json.JSONDecodeError as e:
+                raise ValueError(f"guided choice must be a JSON list of strings: {e}") from e
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+                raise ValueError("guided choice must be a non-empty JSON list of strings")
+        return self
+
+
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop. ``temperature=0`` is greedy."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_tokens: int = Field(16, description="tokens to generate at most; must be >= 1")
     temperature: float = Field(1.0, ge=0.0)
@@ -27,6 +61,30 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = Field(None, description="None: no logprobs; N: the sampled token's and the N "
+                                                   f"most likely (0..{MAX_LOGPROBS})")
+    presence_penalty: float = Field(0.0, description="in [-2, 2]; subtracted once from tokens already generated")
+    frequency_penalty: float = Field(0.0, description="in [-2, 2]; subtracted per time a token was generated")
+    repetition_penalty: float = Field(1.0, description="> 0; divides positive (multiplies negative) logits of "
+                                                       "tokens in the prompt or the output")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
+    min_tokens: int = Field(0, description="EOS and stop_token_ids are blocked until this many tokens")
+    prompt_logprobs: int | None = Field(None, description="None: none; N: each prompt token's logprob (but the "
+                                                          f"first's) and the N most likely (0..{MAX_LOGPROBS})")
+    guided: GuidedSpec | None = None
+
+    @field_validator(*_FLOATS, mode="before")
+    @classmethod
+    def _finite(cls, v: object, info: object) -> object:
+        # Before the range checks: NaN fails every comparison and would read "should be <= 2".
+        if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+            try:
+                f = float(v)
+            except ValueError:
+                return v  # pydantic reports the type error
+            if not math.isfinite(f):
+                raise ValueError(f"{info.field_name} must be a finite number, got {v!r}")  # type: ignore[attr-defined]
+        return v
 
     @field_validator("max_tokens")
     @classmethod
@@ -47,11 +105,70 @@ class SamplingParams(BaseModel):
     def _stop_list(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
 
+    @field_validator("logprobs", "prompt_logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None, info: object) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"{info.field_name} must be between 0 and {MAX_LOGPROBS}, got {v}")  # type: ignore[attr-defined]
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info: object) -> float:
+        if not -2.0 <= v <= 2.0:
+            raise ValueError(f"{info.field_name} must be between -2 and 2, got {v}")  # type: ignore[attr-defined]
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v: float) -> float:
+        if not v > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {v}")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_finite(cls, v: object) -> object:
+        if isinstance(v, dict):
+            for t, b in v.items():
+                if isinstance(b, (int, float)) and not isinstance(b, bool) and not math.isfinite(b):
+                    raise ValueError(f"logit_bias for token {t} must be a finite number, got {b!r}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[int, float]) -> dict[int, float]:
+        for t, b in v.items():
+            if t < 0:
+                raise ValueError(f"logit_bias token id {t} is negative")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias for token {t} must be between -100 and 100, got {b}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
     @property
     def greedy(self) -> bool:
         # As vLLM: temperatures this small are greedy in all but name, and dividing by one
         # that underflows float32 would turn the logits into inf/NaN.
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether logits go through ``dspark.llm.logits.process`` before sampling."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.guided is not None)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -11,7 +11,9 @@ prompt + generated tokens as its new prefill, so greedy output is unchanged.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +44,21 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of ``text`` already streamed
     num_preemptions: int = 0
+    constraint: Any = None  # a dspark.llm.structured constraint when params.guided is set
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per output token, when asked for
+    prompt_logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.., when asked for
+    first_scheduled: float | None = None  # time.perf_counter() when first planned into a step
+    stop_floor: int = 0  # characters of ``text`` before which stop strings are not searched (min_tokens)
+    # No logits processing, logprobs or grammar: the engine's batched fast path. Set at construction.
+    plain: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute ``plain`` (after attaching a constraint, say)."""
+        p = self.params
+        self.plain = not (p.needs_processing or p.logprobs is not None) and self.constraint is None
 
     @property
     def all_ids(self) -> list[int]:
@@ -157,6 +174,8 @@ class Scheduler:
             if not self._fits(seq, n):
                 break  # strict order: a later, smaller request must not overtake
             self.waiting.remove(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.perf_counter()
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.cache.reserve(seq.request_id, seq.num_computed + n)

@@ -10,13 +10,25 @@ token is drawn from the normalised residual ``max(0, p - q)`` and the step
 ends; after a fully accepted draft a bonus token is drawn from ``p``. Every
 emitted token is then distributed exactly as plain sampling from ``p``. A
 deterministic drafter (no ``q``) is the case ``q = one-hot(x)``.
+
+Sequences with processed logits (penalties, bias, min_tokens, a grammar) or
+logprobs are verified row by row over full logits (``accept_processed``):
+row j is processed as plain decoding would after the tokens emitted before
+it, so both rules above stay exact; logprobs come from the target's raw rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from dspark.llm.logits import Constraint, TokenLogprobs, batch_logprobs, process
+from dspark.llm.sampling import distribution
+
+if TYPE_CHECKING:
+    from dspark.llm.scheduler import ScheduledChunk, Sequence
 
 # Rows of logits computed first in blockwise greedy verification. A draft usually breaks
 # early, and the LM head is a quarter of a verified token's cost here (8192 x 384 of ~11.7M
@@ -84,6 +96,23 @@ def accept_greedy_blocks(drafts: list[list[int]], hidden: list[torch.Tensor],
     return result  # type: ignore[return-value]
 
 
+def accept_row(d: int, q_row: torch.Tensor | None, p_row: torch.Tensor, gen: torch.Generator | None) -> int | None:
+    """The rejection rule for one drafted token ``d``: None when it is kept, else the token drawn in its place."""
+    pd = float(p_row[d])
+    qd = 1.0 if q_row is None else float(q_row[d])
+    u = float(torch.rand((), generator=gen))
+    if qd > 0.0 and u * qd < pd:  # u < p/q without dividing
+        return None
+    if q_row is None:
+        resid = p_row.clone()
+        resid[d] = 0.0
+    else:
+        resid = (p_row - q_row.to(p_row.dtype)).clamp_min_(0.0)
+    if not float(resid.sum()) > 0.0:  # only reachable through rounding: p == q
+        resid = p_row
+    return int(torch.multinomial(resid, 1, generator=gen))
+
+
 def accept_sampling(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
                     gen: torch.Generator | None) -> tuple[list[int], int]:
     """Rejection rule over target distributions ``p`` [len(draft) + 1, vocab].
@@ -94,20 +123,83 @@ def accept_sampling(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
     """
     out: list[int] = []
     for j, d in enumerate(draft):
-        pd = float(p[j, d])
-        qd = 1.0 if q is None else float(q[j, d])
-        u = float(torch.rand((), generator=gen))
-        if qd > 0.0 and u * qd < pd:  # u < p/q without dividing
-            out.append(d)
-            continue
-        if q is None:
-            resid = p[j].clone()
-            resid[d] = 0.0
-        else:
-            resid = (p[j] - q[j].to(p.dtype)).clamp_min_(0.0)
-        if not float(resid.sum()) > 0.0:  # only reachable through rounding: p == q
-            resid = p[j]
-        out.append(int(torch.multinomial(resid, 1, generator=gen)))
-        return out, j
+        got = accept_row(d, None if q is None else q[j], p[j], gen)
+        if got is not None:
+            out.append(got)
+            return out, j
+        out.append(d)
     out.append(int(torch.multinomial(p[len(draft)], 1, generator=gen)))
     return out, len(draft)
+
+
+def grammar_prefix(constraint: Constraint, draft: list[int]) -> int:
+    """How many leading draft tokens the grammar allows; its state is left as it was."""
+    n = 0
+    for t in draft:
+        if not constraint.accept(t):
+            break
+        n += 1
+        if constraint.is_terminated():
+            break  # nothing may follow the end
+    constraint.rollback(n)
+    return n
+
+
+def clip_to_grammar(dec: list[ScheduledChunk], pend: dict[str, Any]) -> None:
+    """Cut each constrained sequence's draft (``pend[rid]``, with ``tokens`` and ``q``) at the first token
+    its grammar refuses: verifying past it is wasted.
+
+    A deterministic draft loses the refused token too (it would be rejected, and the residual of a
+    one-hot guess at a token of probability 0 is the target distribution itself). A draft sampled
+    from ``q`` keeps it: its rejection must draw from the residual ``max(0, p - q)`` to stay exact.
+    """
+    for p in dec:
+        s = p.seq
+        d = None if s.constraint is None else pend.get(s.request_id)
+        if d is None or not d.tokens:
+            continue
+        n = grammar_prefix(s.constraint, d.tokens)
+        if d.q is not None:
+            n = min(n + 1, len(d.tokens))
+            d.q = d.q[:n]
+        d.tokens = d.tokens[:n]
+
+
+def accept_processed(seq: Sequence, draft: list[int], q: torch.Tensor | None, rows: torch.Tensor,
+                     eos_ids: set[int], gen: torch.Generator | None) -> tuple[list[int], int, list[TokenLogprobs] | None]:
+    """Verification of a sequence whose logits are processed (penalties, bias, min_tokens, grammar) or
+    whose logprobs are wanted, over its raw target logits ``rows`` [len(draft) + 1, vocab].
+
+    Row j is processed as plain decoding would process it after the tokens
+    emitted before it, then judged as in ``accept_greedy`` / ``accept_sampling``.
+    Emitted tokens advance ``seq.constraint``. Returns (tokens to emit, draft
+    tokens accepted, their raw logprobs or None).
+    """
+    p = seq.params
+    busy = p.needs_processing or seq.constraint is not None
+    outs = list(seq.output_ids)
+    emitted: list[int] = []
+    n_acc = 0
+    for j in range(len(draft) + 1):
+        row = process(rows[j], seq.prompt_ids, outs, p, seq.constraint, eos_ids) if busy else rows[j]
+        kept = False
+        if p.greedy:
+            t = int(torch.argmax(row))
+            kept = j < len(draft) and t == draft[j]
+        elif j < len(draft):
+            got = accept_row(draft[j], None if q is None else q[j], distribution(row, p), gen)
+            kept = got is None
+            t = draft[j] if kept else got
+        else:  # the bonus token after a fully accepted draft
+            t = int(torch.multinomial(distribution(row, p), 1, generator=gen))
+        emitted.append(t)
+        outs.append(t)
+        n_acc += kept
+        if seq.constraint is not None:
+            seq.constraint.accept(t)
+            if seq.constraint.is_terminated():
+                break
+        if not kept:
+            break
+    lps = None if p.logprobs is None else batch_logprobs(rows[: len(emitted)], emitted, p.logprobs)
+    return emitted, n_acc, lps

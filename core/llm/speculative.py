@@ -42,13 +42,13 @@ import torch
 from dspark.llm.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
 from dspark.llm.model import SeqChunk
-from dspark.llm.sampling import distribution, sample
+from dspark.llm.sampling import distribution
 from dspark.llm.scheduler import ScheduledChunk, Sequence, Status
 from dspark.llm.spec_controller import (RLS, Controller, Option, Plan, VerifyCost, draft_x, fit, padded_drafted,
                                         verify_x)
 from dspark.llm.spec_drafters import compatibility_problem, read_raw_config, tokenizer_fingerprint
 from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, along, features
-from dspark.llm.spec_verify import HEAD_BLOCK, accept_greedy_blocks, accept_sampling
+from dspark.llm.spec_verify import HEAD_BLOCK, accept_greedy_blocks, accept_processed, accept_sampling, clip_to_grammar
 from dspark.log import get_logger
 from dspark.plugin_manager import BUILTINS
 from dspark.types import Draft, DraftRequest, TargetModel
@@ -482,6 +482,7 @@ class SpecDecoder:
         pend: dict[str, _Pending] = {}
         if dec and any(h.disabled is None for h in self.handles):
             pend = self._draft(dec, prefill_tokens)
+        clip_to_grammar(dec, pend)
         chunks = []
         n_drafted = 0
         greedy: list[int] = []  # chunks verified greedily: their logits are computed block by block
@@ -490,12 +491,13 @@ class SpecDecoder:
             ids = s.all_ids[s.num_computed:s.num_computed + p.num_tokens]
             d = pend.get(s.request_id)
             if d is not None and d.tokens:
-                if s.params.greedy:
+                lazy = s.params.greedy and s.plain  # processed rows and logprobs need every row's logits
+                if lazy:
                     greedy.append(len(chunks))
-                chunks.append(SeqChunk(s.request_id, ids + d.tokens, all_logits=True, hidden_only=s.params.greedy))
+                chunks.append(SeqChunk(s.request_id, ids + d.tokens, all_logits=True, hidden_only=lazy))
                 n_drafted += len(d.tokens)
             else:
-                chunks.append(SeqChunk(s.request_id, ids))
+                chunks.append(SeqChunk(s.request_id, ids, all_logits=eng._wants_prompt_lp(s)))
         t0 = time.perf_counter()
         logits = eng.runner.step(eng.cache, chunks)
         verdict: dict[int, tuple[list[int], int, int]] = {}
@@ -521,11 +523,13 @@ class SpecDecoder:
             rid = seq.request_id
             d = pend.get(rid)
             if d is None or not d.tokens:
+                if chunks[ci].all_logits:
+                    lg = eng._prompt_logprobs(seq, lg)
                 completes = p.completes
                 seq.num_computed += p.num_tokens
                 if not completes:
                     continue
-                tok = sample(lg, seq.params, seq.generator or eng._default_gen)
+                tok = eng._sample(seq, lg)
                 seq.output_ids.append(tok)
                 eng._check_stop(seq, tok)
                 if d is not None and seq.status is not Status.FINISHED:
@@ -534,14 +538,19 @@ class SpecDecoder:
                 used.add(d.handle.idx)
                 k = len(d.tokens)
                 gen = seq.generator or eng._default_gen
+                lps = None
                 if ci in verdict:
                     toks, n_acc, _ = verdict[ci]
-                else:
+                elif seq.plain:
                     toks, n_acc = accept_sampling(d.tokens, d.q, distribution(lg, seq.params), gen)
+                else:
+                    toks, n_acc, lps = accept_processed(seq, d.tokens, d.q, lg, eng.eos_ids, gen)
                 seq.num_computed += 1 + n_acc
                 per_token = bool(seq.params.stop)  # stop strings need the text after every token
-                for t in toks:
+                for i, t in enumerate(toks):
                     seq.output_ids.append(t)
+                    if lps is not None:
+                        seq.logprobs.append(lps[i])
                     eng._check_stop(seq, t, decode=per_token)
                     if seq.status is Status.FINISHED:
                         break
