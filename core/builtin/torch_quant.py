@@ -38,7 +38,7 @@ from dspark.types import QuantSpec
 
 INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by 16
-_INT8_K_MULTIPLE = 8  # _weight_int8pack_mm reads K in blocks of 8 (wrong results or a crash otherwise)
+_INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads K in blocks of 8, and of 16 for one row on AVX512-BF16 CPUs (wrong results or a crash otherwise)
 _INNER_K_TILES = 2  # the CPU int4 packing ignores it beyond validation; 2 is what torchao passes
 
 
