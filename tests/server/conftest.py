@@ -212,3 +212,81 @@ def reference() -> Any:
 
     torch.set_num_threads(1)
     return LLM(dtype="float32")
+
+
+class OTLPReceiver:
+    """A stand-in OTLP/HTTP collector on 127.0.0.1: keeps every ``POST /v1/traces`` body, decoded."""
+
+    def __init__(self) -> None:
+        import gzip
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest, ExportTraceServiceResponse,
+        )
+
+        self.requests: list[Any] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path == "/v1/traces":
+                    msg = ExportTraceServiceRequest()
+                    msg.ParseFromString(body)
+                    with receiver._lock:
+                        receiver.requests.append(msg)
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if self.path == "/v1/traces" else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def spans(self) -> list[tuple[Any, Any]]:
+        """(resource, span) for every span received so far."""
+        with self._lock:
+            reqs = list(self.requests)
+        return [(rs.resource, span) for r in reqs for rs in r.resource_spans for ss in rs.scope_spans
+                for span in ss.spans]
+
+    def wait_for(self, trace_id: bytes, count: int, timeout: float = 15.0) -> list[tuple[Any, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [(res, s) for res, s in self.spans() if s.trace_id == trace_id]
+            if len(got) >= count or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[OTLPReceiver]:
+    r = OTLPReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def observed_server(tmp_path_factory: pytest.TempPathFactory, server_factory: Callable[..., ServerHandle],
+                    otlp_receiver: OTLPReceiver) -> ServerHandle:
+    """One more server, for tests/server/test_observability.py and test_tracing.py: a stats line every
+    0.3 s and traces exported to ``otlp_receiver`` (batches sent every 0.1 s)."""
+    return server_factory(tmp_path_factory.mktemp("observed"), env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+                          observability={"otlp_traces_endpoint": otlp_receiver.url, "service_name": "dspark-test",
+                                         "stats_log_interval_s": 0.3})
