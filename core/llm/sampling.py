@@ -44,6 +44,7 @@ class GuidedSpec(BaseModel):
         return self
 
 
+REPETITION_MIN, REPETITION_MAX = 0.01, 100.0
 _FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -65,7 +66,7 @@ class SamplingParams(BaseModel):
                                                    f"most likely (0..{MAX_LOGPROBS})")
     presence_penalty: float = Field(0.0, description="in [-2, 2]; subtracted once from tokens already generated")
     frequency_penalty: float = Field(0.0, description="in [-2, 2]; subtracted per time a token was generated")
-    repetition_penalty: float = Field(1.0, description="> 0; divides positive (multiplies negative) logits of "
+    repetition_penalty: float = Field(1.0, description="0.01..100; divides positive (multiplies negative) logits of "
                                                        "tokens in the prompt or the output")
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     min_tokens: int = Field(0, description="EOS and stop_token_ids are blocked until this many tokens")
@@ -122,8 +123,9 @@ class SamplingParams(BaseModel):
     @field_validator("repetition_penalty")
     @classmethod
     def _repetition(cls, v: float) -> float:
-        if not v > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {v}")
+        # Bounded away from 0 and infinity: logits divided or multiplied by it must stay finite in float32.
+        if not REPETITION_MIN <= v <= REPETITION_MAX:
+            raise ValueError(f"repetition_penalty must be between {REPETITION_MIN} and {REPETITION_MAX}, got {v}")
         return v
 
     @field_validator("logit_bias", mode="before")

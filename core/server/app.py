@@ -6,6 +6,7 @@ bad input is always a 4xx (validation problems are 400, not FastAPI's 422).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -13,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -27,21 +28,25 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dspark.llm import AsyncLLMEngine, RequestOutput, SamplingParams
 from dspark.log import get_logger
 from dspark.server.chat_template import ChatTemplate
-from dspark.server.group import ClientGone, SeqSpec, SequenceGroup
+from dspark.server.group import ClientGone, SeqSpec, SequenceGroup, ShuttingDown
+from dspark.server.limits import BodySizeLimit
 from dspark.server.metrics import ServerMetrics
+from dspark.server.observability import Observability, RequestObservability, start_stats_logger
+from dspark.server import logprobs_format as lpf
 from dspark.server.openai_schema import (
     APIError, AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
-    CompletionRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Usage, SamplingFields,
+    CompletionRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, SamplingFields, Usage, VersionResponse,
 )
+from dspark.server.token_text import TokenText
+from dspark.server.tokenizer_routes import add_tokenizer_routes
 
 log = get_logger("dspark.server")
 
 MAX_SEQUENCES = 256  # prompts x n in one request
 # Fields typed to accept only their neutral value: say so when a client sends anything else.
-_UNSUPPORTED = {"logprobs", "top_logprobs", "best_of", "suffix", "logit_bias", "presence_penalty",
-                "frequency_penalty", "tools", "tool_choice", "functions", "response_format", "modalities"}
+_UNSUPPORTED = {"best_of", "suffix", "tools", "tool_choice", "functions", "modalities"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    c: {"model": ErrorResponse} for c in (400, 401, 404)}
+    c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 503)}
 
 
 @dataclass
@@ -53,6 +58,12 @@ class ServerState:
     chat_template: ChatTemplate
     api_key: str | None = None
     created: int = 0
+    max_body_bytes: int | None = None  # larger request bodies are a 413; None = no limit
+    cors_allow_origins: list[str] = field(default_factory=list)  # empty = no CORS headers
+    draining: bool = False  # set at SIGTERM: new generation requests are refused with 503
+    groups: set[SequenceGroup] = field(default_factory=set)  # requests being generated, for the drain
+    token_text: TokenText | None = None
+    max_token_bytes: int = 0  # the longest token's bytes: bounds how few tokens a text can become
 
     @property
     def max_model_len(self) -> int:
@@ -110,10 +121,16 @@ class _CountRequests:
             self.metrics.http.labels(route, str(status)).inc()
 
 
-def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None,
+               observability: Observability | None = None) -> FastAPI:
+    obs = observability or Observability()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats = start_stats_logger(state.engine, state.metrics, obs.stats_log_interval_s)  # observability
         yield
+        if stats is not None:  # observability
+            stats.stop()
         log.info("Shutting down: aborting open requests and stopping the engine.")
         state.engine.shutdown()
         if on_shutdown is not None:
@@ -134,9 +151,24 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if state.cors_allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=state.cors_allow_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    if state.max_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=state.metrics)
+    # Observability, outermost: request id on every response, the access log line, the request's trace.
+    app.add_middleware(RequestObservability, access_log=obs.access_log, tracer=obs.tracer)
     _install_error_handlers(app)
     eng = state.engine.engine
+    if state.token_text is None:
+        state.token_text = TokenText(eng.tokenizer)
+        if eng.tokenizer is not None:
+            vocab = eng.tokenizer.get_vocab_size(with_added_tokens=True)
+            state.max_token_bytes = max((len(state.token_text.token_bytes(i)) for i in range(vocab)), default=0)
+    tt = state.token_text
 
     async def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -171,6 +203,12 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        from dspark import __version__
+
+        return VersionResponse(version=__version__)
+
     @app.get("/v1/models", dependencies=auth, responses=_ERRORS)
     async def list_models() -> ModelList:
         return ModelList(data=[card()])
@@ -182,82 +220,192 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
 
     # -- shared request plumbing ------------------------------------------------------------------
 
-    def encode(prompt: str | list[int], param: str, *, special: bool = True) -> list[int]:
+    def tokenize_text(text: str, special: bool) -> list[int]:
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a big
+        # text takes seconds, during which the event loop must keep serving everyone else.
+        return list(eng.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+
+    def encode_now(prompt: str | list[int], special: bool) -> list[int]:
+        if isinstance(prompt, str) and eng.tokenizer is not None:
+            return eng.encode(tokenize_text(prompt, special) or "")
+        return eng.encode(prompt)
+
+    async def encode(prompt: str | list[int], param: str, *, special: bool = True) -> list[int]:
+        """Token ids of a prompt, tokenized in a worker thread so a huge one never stalls the event loop."""
+        budget = state.token_budget
         try:
             if isinstance(prompt, str):
-                prompt.encode("utf-8")  # JSON can carry lone surrogates ("\ud800"); the tokenizer cannot
-            if isinstance(prompt, str) and not special:
-                ids = eng.encode(eng.tokenizer.encode(prompt, add_special_tokens=False).ids) \
-                    if eng.tokenizer is not None else eng.encode(prompt)
+                size = len(prompt.encode("utf-8"))  # JSON can carry lone surrogates ("\ud800"); the tokenizer cannot
+                # Each token holds at most max_token_bytes bytes: past this the prompt cannot fit, whatever
+                # it tokenizes to, so it is refused without spending seconds tokenizing it.
+                if state.max_token_bytes and size > budget * state.max_token_bytes:
+                    raise APIError(400, f"This model's maximum context length is {budget} tokens; the {param} "
+                                   f"({size} bytes) is longer than that.", param=param,
+                                   code="context_length_exceeded")
+                ids = await asyncio.to_thread(encode_now, prompt, special)
             else:
-                ids = eng.encode(prompt)
+                ids = encode_now(prompt, special)
         except UnicodeEncodeError:
             raise APIError(400, f"the {param} is not valid Unicode text (a lone surrogate?)", param=param) from None
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
-        if len(ids) >= state.token_budget:
-            raise APIError(400, f"This model's maximum context length is {state.token_budget} tokens; the "
+        if len(ids) >= budget:
+            raise APIError(400, f"This model's maximum context length is {budget} tokens; the "
                            f"{param} has {len(ids)} tokens, leaving none for the output.",
                            param=param, code="context_length_exceeded")
         return ids
 
-    def sampling(body: SamplingFields, max_tokens: int, seed: int | None) -> SamplingParams:
+    def check_room(n_prompt: int, max_tokens: int, what: str) -> None:
+        # As OpenAI and vLLM: asking for more than the context leaves is an error, not silently capped.
+        budget = state.token_budget
+        if n_prompt + max_tokens > budget:
+            raise APIError(400, f"This model's maximum context length is {budget} tokens. However, you requested "
+                           f"{n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} in the "
+                           f"completion). Please reduce the length of the {what} or completion.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    def guided(body: SamplingFields) -> tuple[Any, str | None]:
+        """The output constraint the body asks for (a GuidedSpec or None) and the field that asked."""
+        from dspark.llm.sampling import GuidedSpec
+
+        rf = body.response_format
+        if rf is not None and rf.type == "json_object":
+            return GuidedSpec(kind="json_object", value=None), "response_format"
+        if rf is not None and rf.type == "json_schema":
+            return GuidedSpec(kind="json_schema", value=json.dumps(rf.json_schema.schema_)), "response_format"
+        if body.guided_json is not None:
+            v = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+            return GuidedSpec(kind="json_schema", value=v), "guided_json"
+        if body.guided_regex is not None:
+            return GuidedSpec(kind="regex", value=body.guided_regex), "guided_regex"
+        if body.guided_grammar is not None:
+            return GuidedSpec(kind="grammar", value=body.guided_grammar), "guided_grammar"
+        if body.guided_choice is not None:
+            return GuidedSpec(kind="choice", value=json.dumps(body.guided_choice)), "guided_choice"
+        return None, None
+
+    def logit_bias(body: SamplingFields) -> dict[int, float]:
+        out: dict[int, float] = {}
+        vocab = eng.runner.cfg.vocab_size
+        for k, v in (body.logit_bias or {}).items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise APIError(400, f"logit_bias: key {k!r} is not a token id", param="logit_bias") from None
+            if not 0 <= tid < vocab:
+                raise APIError(400, f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")
+            out[tid] = v
+        return out
+
+    def sampling(body: SamplingFields, max_tokens: int, seed: int | None, logprobs: int | None,
+                 spec: Any, prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         if top_p == 0.0:  # nucleus sampling's limit: only the most likely token
             temperature, top_p = 0.0, 1.0
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        extra: dict[str, Any] = {}
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
-                                  seed=seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                                  ignore_eos=body.ignore_eos)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=body.top_k or 0, seed=seed,
+                stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=logit_bias(body), min_tokens=body.min_tokens or 0, logprobs=logprobs, guided=spec,
+                **extra)
         except ValidationError as e:
-            raise APIError(400, str(e), param=_param(e.errors()[0]["loc"])) from None
+            err = e.errors()[0]
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            # A check across fields has no location; its message starts with the field it is about.
+            where = _param(err["loc"]) or next((w for w in msg.split()[:1] if w in SamplingParams.model_fields), None)
+            raise APIError(400, msg, param=where) from None
 
-    def start(request: Request, rid: str, prompts: list[list[int]], body: SamplingFields, max_tokens: list[int],
-              arrival: float) -> SequenceGroup:
+    def unregister(group: SequenceGroup) -> None:
+        state.groups.discard(group)
+
+    async def start(request: Request, rid: str, prompts: list[list[int]], body: SamplingFields,
+                    max_tokens: list[int], arrival: float, what: str, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SequenceGroup:
+        if state.draining:
+            raise APIError(503, "The server is shutting down; retry on another replica or later.",
+                           type="server_error", code="server_shutting_down")
         n = body.n or 1
         if len(prompts) * n > MAX_SEQUENCES:
             raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {MAX_SEQUENCES} sequences per request",
                            param="n")
+        for ids, m in zip(prompts, max_tokens):
+            check_room(len(ids), m, what)
+        spec, field_name = guided(body)
+        if spec is not None:
+            from dspark.llm.structured import build_constraint
+
+            try:  # compiled off the event loop (a schema can take a while); cached for the sequences below
+                await asyncio.to_thread(build_constraint, eng, spec)
+            except ValueError as e:
+                raise APIError(400, str(e), param=field_name) from None
         specs = []
         for p, ids in enumerate(prompts):
             for j in range(n):
                 seed = None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63  # wrap, stay in range
-                specs.append(SeqSpec(f"{rid}-{p * n + j}", ids, sampling(body, max_tokens[p], seed)))
+                specs.append(SeqSpec(f"{rid}-{p * n + j}", ids,
+                                     sampling(body, max_tokens[p], seed, logprobs, spec, prompt_logprobs)))
         try:
-            return SequenceGroup(state.engine, state.metrics, request, specs, arrival).start()
+            group = SequenceGroup(state.engine, state.metrics, request, specs, arrival)
         except ValueError as e:  # e.g. prompt + max_tokens beyond the KV cache
             raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        state.groups.add(group)
+        group.on_close.append(unregister)
+        return group.start()
 
-    def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> Usage:
+    def usage(prompts: list[list[int]], finals: list[RequestOutput], request: Request | None = None) -> Usage:
         # Like OpenAI: a prompt counts once however many choices it has.
         pt, ct = sum(len(p) for p in prompts), sum(len(f.token_ids) for f in finals)
+        if request is not None:  # observability: the access log line's token counts
+            request.state.usage_tokens = (pt, ct)
         return Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    async def stream(group: SequenceGroup, prompts: list[list[int]], head: list[str],
-                     chunk: Callable[[int, str | None, str | None], dict[str, Any]], envelope: dict[str, Any],
-                     include_usage: bool) -> AsyncIterator[str]:
-        """SSE body: optional head chunk per choice, deltas, a finish chunk per choice, usage, [DONE]."""
+    Chunk = Callable[[int, str | None, str | None, Any], dict[str, Any]]
+
+    async def stream(group: SequenceGroup, prompts: list[list[int]], head: list[str], chunk: Chunk,
+                     envelope: dict[str, Any], include_usage: bool,
+                     logprobs: Callable[[int, Any, int], Any] | None = None) -> AsyncIterator[str]:
+        """SSE body: optional head chunk per choice, deltas, a finish chunk per choice, usage, [DONE].
+
+        ``logprobs(i, entries, offset)``: the logprobs object for choice i's new tokens, when asked for;
+        every chunk carries those of the tokens generated since the previous one.
+        """
         extra = {"usage": None} if include_usage else {}
         finals: dict[int, RequestOutput] = {}
+        sent: dict[int, int] = {}  # tokens whose logprobs went out, per choice
+        offset: dict[int, int] = {i: len(t) for i, t in enumerate(head)}
         try:
             for i, text in enumerate(head):
-                yield sse({**envelope, "choices": [chunk(i, text, None)], **extra})
+                yield sse({**envelope, "choices": [chunk(i, text, None, None)], **extra})
             async for i, out in group.events():
-                if out.delta:
-                    yield sse({**envelope, "choices": [chunk(i, out.delta, None)], **extra})
+                new = None
+                if logprobs is not None and out.logprobs is not None and len(out.token_ids) > sent.get(i, 0):
+                    new = logprobs(i, out.logprobs[sent.get(i, 0):len(out.token_ids)], offset.get(i, 0))
+                    sent[i] = len(out.token_ids)
+                if out.delta or new is not None:
+                    yield sse({**envelope, "choices": [chunk(i, out.delta, None, new)], **extra})
+                    offset[i] = offset.get(i, 0) + len(out.delta)
                 if out.finished:
                     finals[i] = out
-                    yield sse({**envelope, "choices": [chunk(i, None, out.finish_reason)], **extra})
+                    yield sse({**envelope, "choices": [chunk(i, None, out.finish_reason, None)], **extra})
+            u = usage(prompts, [finals[i] for i in sorted(finals)], group.request)
             if include_usage:
-                u = usage(prompts, [finals[i] for i in sorted(finals)])
                 yield sse({**envelope, "choices": [], "usage": u.model_dump()})
         except ClientGone:
             return
+        except ShuttingDown:  # the drain time ran out: end the stream in-band, as OpenAI reports errors
+            yield sse({"error": ErrorBody(message="The server is shutting down; this response was cut short.",
+                                          type="server_error", code="server_shutting_down").model_dump()})
         except Exception as e:  # an engine fault mid-stream: the status line is gone, so say it in-band
             log.exception("stream failed", request_id=envelope["id"], error=repr(e))
             yield sse({"error": ErrorBody(message=f"generation failed: {e}", type="server_error").model_dump()})
@@ -274,6 +422,9 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
             return await group.finals()
         except ClientGone:
             raise
+        except ShuttingDown:
+            raise APIError(503, "The server is shutting down; the request was not completed.",
+                           type="server_error", code="server_shutting_down") from None
         except Exception as e:
             log.exception("generation failed", error=repr(e))
             raise APIError(500, f"generation failed: {e}", type="server_error") from None
@@ -286,27 +437,44 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
         arrival = time.perf_counter()
         check_model(body.model)
         raw = body.prompts()
-        prompts = [encode(p, "prompt") for p in raw]
+        prompts = [await encode(p, "prompt") for p in raw]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n or 1
         echo = [p if isinstance(p, str) else eng.tokenizer.decode(p) if eng.tokenizer else ""
                 for p in raw] if body.echo else []
-        group = start(request, rid, prompts, body, [max_tokens] * len(prompts), arrival)
+        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        group = await start(request, rid, prompts, body, [max_tokens] * len(prompts), arrival, "prompt",
+                            logprobs=body.logprobs, prompt_logprobs=prompt_lp)
         envelope = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
         if body.stream:
-            def chunk(i: int, text: str | None, reason: str | None) -> dict[str, Any]:
-                return {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+            def chunk(i: int, text: str | None, reason: str | None, lps: Any) -> dict[str, Any]:
+                return {"index": i, "text": text or "", "logprobs": lps, "finish_reason": reason}
 
             include = bool(body.stream_options and body.stream_options.include_usage)
             head = [echo[i // n] for i in range(len(prompts) * n)] if echo else []
-            return sse_response(stream(group, prompts, head, chunk, envelope, include))
+            lp_fn = None
+            if body.logprobs is not None:
+                def lp_fn(i: int, entries: Any, offset: int) -> Any:
+                    return lpf.completion_logprobs(tt, entries, offset).model_dump()
+            return sse_response(stream(group, prompts, head, chunk, envelope, include, lp_fn))
         try:
             finals = await finals_or_raise(group)
         except ClientGone:
             return Response(status_code=499)
-        choices = [CompletionChoice(index=i, text=(echo[i // n] if echo else "") + f.text,
-                                    finish_reason=f.finish_reason) for i, f in enumerate(finals)]
+        choices = []
+        for i, f in enumerate(finals):
+            prefix = echo[i // n] if echo else ""
+            lps = None
+            if body.logprobs is not None:
+                lps = lpf.completion_logprobs(tt, f.logprobs or [], len(prefix),
+                                          with_prompt=prompts[i // n] if echo else None,
+                                          prompt_entries=getattr(f, "prompt_logprobs", None))
+                if echo:  # the prompt's tokens start the text
+                    lps.text_offset = lpf.offsets(lps.tokens)
+            choices.append(CompletionChoice(index=i, text=prefix + f.text, logprobs=lps,
+                                            finish_reason=f.finish_reason))
+        request.state.usage_tokens = (sum(map(len, prompts)), sum(len(f.token_ids) for f in finals))
         return Completion(**envelope, choices=choices, usage=usage(prompts, finals))
 
     @app.post("/v1/chat/completions", dependencies=auth, response_model=None,
@@ -314,35 +482,48 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletion | Response:
         arrival = time.perf_counter()
         check_model(body.model)
-        text = state.chat_template.render(body.messages, body.add_generation_prompt)
-        ids = encode(text, "messages", special=state.chat_template.adds_special_tokens)
+        text = await render(body.messages, body.add_generation_prompt)
+        ids = await encode(text, "messages", special=state.chat_template.adds_special_tokens)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = asked if asked is not None else state.token_budget - len(ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = start(request, rid, [ids], body, [max_tokens], arrival)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        group = await start(request, rid, [ids], body, [max_tokens], arrival, "messages", logprobs=logprobs)
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": state.model_name}
         if body.stream:
-            def chunk(i: int, text: str | None, reason: str | None) -> dict[str, Any]:
+            def chunk(i: int, text: str | None, reason: str | None, lps: Any) -> dict[str, Any]:
                 delta: dict[str, Any] = {} if text is None else {"content": text}
                 if text is not None and reason is None and i in first:
                     first.discard(i)
                     delta = {"role": "assistant", **delta}
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason}
 
             n = body.n or 1
             first = set(range(n))
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return sse_response(stream(group, [ids], [""] * n, chunk, envelope, include))
+            lp_fn = None
+            if logprobs is not None:
+                def lp_fn(i: int, entries: Any, offset: int) -> Any:
+                    return lpf.chat_logprobs(tt, entries).model_dump()
+            return sse_response(stream(group, [ids], [""] * n, chunk, envelope, include, lp_fn))
         try:
             finals = await finals_or_raise(group)
         except ClientGone:
             return Response(status_code=499)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=f.text), finish_reason=f.finish_reason)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=f.text), finish_reason=f.finish_reason,
+                              logprobs=None if logprobs is None else lpf.chat_logprobs(tt, f.logprobs or []))
                    for i, f in enumerate(finals)]
+        request.state.usage_tokens = (len(ids), sum(len(f.token_ids) for f in finals))
         return ChatCompletion(**{**envelope, "object": "chat.completion"}, choices=choices,
                               usage=usage([ids], finals))
 
+    async def render(messages: Any, add_generation_prompt: bool) -> str:
+        # Off the event loop: a template over a huge conversation takes a while.
+        return await asyncio.to_thread(state.chat_template.render, messages, add_generation_prompt)
+
+    add_tokenizer_routes(app, state, auth=auth, errors=_ERRORS, check_model=check_model, render=render,
+                         tokenize_text=tokenize_text)
     return app
 
 

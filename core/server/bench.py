@@ -38,10 +38,12 @@ from dspark.server.bench_stats import RequestResult, Summary, summarize
 class BenchRequest:
     prompt: str
     max_tokens: int
+    # Request fields of this request alone (logprobs, penalties, response_format ...), over LoadConfig.extra_body.
+    extra_body: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
 
 def load_dataset(path: Path) -> list[BenchRequest]:
-    """JSONL, one ``{"prompt": str, "max_tokens": int}`` per line; blank lines ignored."""
+    """JSONL, one ``{"prompt": str, "max_tokens": int, "extra_body"?: {...}}`` per line; blank lines ignored."""
     reqs: list[BenchRequest] = []
     from dspark.jsonl import iter_objects
 
@@ -51,7 +53,10 @@ def load_dataset(path: Path) -> list[BenchRequest]:
         mt = obj.get("max_tokens", 16)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise ValueError(f"{path}:{n}: max_tokens must be a positive integer, got {mt!r}")
-        reqs.append(BenchRequest(obj["prompt"], mt))
+        extra = obj.get("extra_body")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"{path}:{n}: extra_body must be an object of request fields, got {extra!r}")
+        reqs.append(BenchRequest(obj["prompt"], mt, extra))
     if not reqs:
         raise ValueError(f"{path}: no requests")
     return reqs
@@ -171,6 +176,7 @@ def _body(cfg: LoadConfig, model: str, req: BenchRequest) -> dict[str, Any]:
     else:
         body["prompt"] = req.prompt
     body.update(cfg.extra_body)
+    body.update(req.extra_body or {})
     return body
 
 

@@ -44,7 +44,13 @@ class ServerSection(_Section):
     port: int = Field(8000, ge=0, le=65535, description="0 = any free port (logged at startup)")
     api_type: Literal["openai"] = "openai"
     api_key: str | None = Field(None, description="required as 'Authorization: Bearer KEY' on /v1 when set")
-    timeout_graceful_shutdown_s: int = Field(5, ge=0, description="seconds open requests get at shutdown")
+    timeout_graceful_shutdown_s: float = Field(
+        5, ge=0, allow_inf_nan=False, description="drain time: at SIGTERM/SIGINT the server stops accepting, open "
+        "requests get this many seconds to finish, then every remaining stream ends with an error event and [DONE]")
+    max_body_bytes: int | None = Field(16 * 2**20, ge=1, description="larger request bodies are refused with 413; "
+                                       "null = no limit")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS ('*' = any); "
+                                          "empty = no CORS headers")
 
 
 class ContinuousBatching(_Section):
@@ -110,11 +116,32 @@ class ResourcesSection(_Section):
     metrics_port: int = Field(9090, ge=0, le=65535)
 
 
+class ObservabilitySection(_Section):
+    """Tracing, the access log and the periodic stats line (metrics are ``resources.enable_metrics``)."""
+
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL (e.g. http://localhost:4318/v1/traces); null = tracing off")
+    service_name: str = Field("dspark", min_length=1, description="the traces' service.name")
+    stats_log_interval_s: float = Field(10.0, ge=0, allow_inf_nan=False,
+                                        description="seconds between stats log lines; 0 = no stats line")
+    access_log: bool = Field(True, description="one log line per HTTP request")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL, e.g. http://localhost:4318/v1/traces")
+        return v
+
+
 class ServerConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     server: ServerSection = Field(default_factory=ServerSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 
     def model_path(self) -> Path:
         from dspark.llm import default_model_path
@@ -190,7 +217,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: expected a mapping with model/server/engine/resources sections, "
+            raise ConfigError(f"{p}: expected a mapping with model/server/engine/resources/observability sections, "
                               f"got {type(raw).__name__}")
     for flag, value in (overrides or {}).items():
         if value is not None:

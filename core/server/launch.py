@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -70,6 +69,25 @@ def _log_scheduler(cfg: ServerConfig, engine_spec: Any) -> str | None:
     return strategy
 
 
+def _observability(cfg: ServerConfig, engine: Any) -> Any:
+    """Log what runs the model; build the tracer and the rest of ``cfg.observability`` for ``create_app``."""
+    from dspark.server.observability import Observability, describe_runtime
+    from dspark.server.tracing import build_tracer
+
+    t0 = time.perf_counter()
+    rt = describe_runtime(engine)
+    log.info(f"Active plugins: {', '.join(rt.plugins) or 'none'}", plugins=rt.plugins,
+             plugins_used=rt.plugins_used, seconds=round(time.perf_counter() - t0, 3))
+    log.info(f"Model runs on {rt.target}", target=rt.target, devices=rt.devices)
+    o = cfg.observability
+    tracer = build_tracer(o.otlp_traces_endpoint, service_name=o.service_name, model_name=cfg.served_name(),
+                          device=rt.device, plugin=rt.plugin, target=rt.target)
+    if tracer is not None:
+        log.info(f"Tracing requests to {o.otlp_traces_endpoint}", otlp_traces_endpoint=o.otlp_traces_endpoint,
+                 service_name=o.service_name)
+    return Observability(access_log=o.access_log, stats_log_interval_s=o.stats_log_interval_s, tracer=tracer)
+
+
 def serve(cfg: ServerConfig) -> None:
     """Load the model and serve until SIGINT/SIGTERM (uvicorn then drains and runs the app's shutdown)."""
     import torch
@@ -102,6 +120,7 @@ def serve(cfg: ServerConfig) -> None:
     strategy = _log_scheduler(cfg, getattr(eng, "spec", None))
     metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy)
     metrics.instrument_engine(engine)
+    obs = _observability(cfg, engine)
 
     host = cfg.server.host
     sock = _bind(host, cfg.server.port)
@@ -115,11 +134,14 @@ def serve(cfg: ServerConfig) -> None:
     def stop_metrics() -> None:
         if metrics_server is not None:
             threading.Thread(target=metrics_server.shutdown, daemon=True).start()  # it blocks until the loop ends
+        if obs.tracer is not None:
+            obs.tracer.shutdown()  # sends the spans still batched
 
     state = ServerState(engine=engine, model_name=cfg.served_name(), model_root=str(path), metrics=metrics,
                         chat_template=ChatTemplate.from_checkpoint(path), api_key=cfg.server.api_key,
-                        created=int(time.time()))
-    app = create_app(state, on_shutdown=stop_metrics)
+                        created=int(time.time()), max_body_bytes=cfg.server.max_body_bytes,
+                        cors_allow_origins=list(cfg.server.cors_allow_origins))
+    app = create_app(state, on_shutdown=stop_metrics, observability=obs)
     url = _url(host, port)
     log.info(f"DSpark server is listening on {url}", url=url, host=host, port=port, model=state.model_name,
              api_key_required=state.api_key is not None)
@@ -131,15 +153,17 @@ def serve(cfg: ServerConfig) -> None:
         log.warning("listening on a non-loopback address without an API key; anyone who can reach it can use it",
                     host=host)
     _route_stdlib_logs()
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=cfg.server.timeout_graceful_shutdown_s))
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the previous handler:
-    # make those no-ops so the process ends normally (exit 0) once the app has shut down.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    from dspark.server.shutdown import FLUSH_S, DrainingServer
+
+    # The drain (DrainingServer) ends every request before uvicorn's own shutdown, whose grace time then
+    # only has to cover closing connections.
+    server = DrainingServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=FLUSH_S),
+                            state, cfg.server.timeout_graceful_shutdown_s)
     try:
         server.run(sockets=[sock])
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         sock.close()
-        log.info("DSpark server stopped")
+        kv = eng.stats()
+        log.info("DSpark server stopped", kv_cache_used_bytes=kv.kv_used_bytes, requests_running=kv.num_running,
+                 requests_waiting=kv.num_waiting)

@@ -189,6 +189,35 @@ def test_speculative_decoding_reaches_the_engine(example_server: Any, reference:
     assert not [e for e in example_server.log() if e.get("level") == "warning" and "speculative" in e["event"]]
 
 
+def test_logprobs_penalties_and_grammar_under_speculation(example_server: Any, reference: Any) -> None:
+    """DeepSpec on: logprobs are the target model's, penalties keep greedy output exact, and drafted
+    tokens are held to the grammar (every constrained output validates)."""
+    import json
+
+    import jsonschema
+
+    client = example_server.openai()
+    prompt = "def quick_sort(arr):"
+    r = client.completions.create(model="coder", prompt=prompt, max_tokens=24, temperature=0, logprobs=2,
+                                  presence_penalty=0.8, extra_body={"repetition_penalty": 1.2})
+    ref = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, logprobs=2, presence_penalty=0.8,
+                                                    repetition_penalty=1.2))[0]
+    assert r.choices[0].text == ref.text
+    for got, want in zip(r.choices[0].logprobs.token_logprobs, ref.logprobs, strict=True):
+        assert got == pytest.approx(want.logprob, abs=1e-4)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                             "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="coder", messages=[{"role": "user", "content": "status as JSON"}], max_tokens=60,
+            temperature=0.8, seed=seed, response_format={"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert example_server.metrics().value("dspark_spec_decode_draft_tokens_total") > 0
+
+
 def test_sigterm_shuts_down_cleanly(example_server: Any) -> None:
     assert example_server.stop() == 0
     assert example_server.log()[-1]["event"] == "DSpark server stopped"
