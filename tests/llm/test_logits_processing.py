@@ -149,7 +149,8 @@ def test_non_finite_floats_are_refused_by_name(field: str, value: float) -> None
 @pytest.mark.parametrize(("bad", "msg"), [
     ({"presence_penalty": 2.5}, "presence_penalty must be between -2 and 2"),
     ({"frequency_penalty": -3}, "frequency_penalty must be between -2 and 2"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be between 0.01 and 100"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty must be between 0.01 and 100"),
     ({"logit_bias": {5: 101}}, "logit_bias for token 5 must be between -100 and 100"),
     ({"logit_bias": {5: math.nan}}, "logit_bias for token 5 must be a finite number"),
     ({"logit_bias": {-3: 1}}, "logit_bias token id -3"),
