@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from dspark.llm.config import EngineConfig
-from dspark.llm.logits import LogprobsPrefix, TokenLogprobs, batch_logprobs, process, token_logprobs
+from dspark.llm.logits import (
+    LogprobsPrefix, TokenLogprobs, batch_logprobs, process, process_batch, token_logprobs,
+)
 from dspark.llm.model import ModelRunner, SeqChunk
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
@@ -254,6 +256,7 @@ class LLMEngine:
         greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
         picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist())) \
             if len(greedy) > 1 else {}
+        picks.update(self._sample_processed(planned, logits))
         outputs = []
         for i, (p, lg) in enumerate(zip(planned, logits)):
             seq = p.seq
@@ -289,6 +292,35 @@ class LLMEngine:
             s.prompt_logprobs += batch_logprobs(rows[m - a : m - a + len(targets)], targets,
                                                 s.params.prompt_logprobs or 0)
         return rows[-1]
+
+    def _sample_processed(self, planned: list[ScheduledChunk], logits: list[torch.Tensor]) -> dict[int, int]:
+        """Tokens of the step's rows that need processing or logprobs, done together: the processing
+        (``process_batch``), greedy picks and raw logprobs as batched tensor work, then per row the
+        sampling, the recorded logprobs and the grammar's advance, exactly as ``_sample`` does them."""
+        rows = [i for i, p in enumerate(planned) if p.completes and not p.seq.plain]
+        if not rows:
+            return {}
+        seqs = [planned[i].seq for i in rows]
+        raw = torch.stack([logits[i] for i in rows])
+        work = [j for j, s in enumerate(seqs) if s.params.needs_processing or s.constraint is not None]
+        proc = raw
+        if work:
+            proc = raw.clone()
+            proc[work] = process_batch(raw[work], [seqs[j] for j in work], self.eos_ids)
+        argmax = proc.argmax(-1).tolist()
+        toks = [argmax[j] if s.params.greedy else sample(proc[j], s.params, s.generator or self._default_gen)
+                for j, s in enumerate(seqs)]
+        want = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            n = max(seqs[j].params.logprobs or 0 for j in want)
+            got = batch_logprobs(raw[want], [toks[j] for j in want], n)
+            for j, lp in zip(want, got):
+                k = seqs[j].params.logprobs or 0
+                seqs[j].logprobs.append(lp if k == n else TokenLogprobs(lp.token_id, lp.logprob, lp.top[:k]))
+        for s, t in zip(seqs, toks):
+            if s.constraint is not None:
+                s.constraint.accept(t)
+        return dict(zip(rows, toks))
 
     def _sample(self, seq: Sequence, row: torch.Tensor) -> int:
         """The next token of ``seq`` from its fp32 logits ``row``, which is then emitted: its raw logprob

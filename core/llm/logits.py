@@ -124,10 +124,15 @@ def _mask(out: torch.Tensor, raw: torch.Tensor, constraint: Constraint, eos_ids:
     masked = out.masked_fill(~allowed, NEG_INF)
     if bool(torch.isfinite(masked).any()):
         return masked
+    return _fallback(raw, allowed, eos_ids)
+
+
+def _fallback(raw: torch.Tensor, allowed: torch.Tensor, eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
+    """A row the grammar mask left without a finite logit: the grammar's choice among the raw logits."""
     if bool(allowed.any()):
         return raw.masked_fill(~allowed, NEG_INF)
     # A grammar that allows nothing at all (its own fault) ends the text rather than failing the step.
-    end = torch.full_like(out, NEG_INF)
+    end = torch.full_like(raw, NEG_INF)
     end[min(eos_ids) if eos_ids else int(torch.argmax(raw))] = 0.0
     return end
 
@@ -153,3 +158,94 @@ def batch_logprobs(rows: torch.Tensor, tokens: list[int], n: int) -> list[TokenL
         tops = [[] for _ in tokens]
     return [TokenLogprobs(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
 
+
+
+class PenaltyCounts:
+    """One sequence's output-token counts [vocab] and the prompt's tokens [vocab], kept up to date
+    from ``output_ids`` as it grows, so a step costs the new tokens, not the whole history."""
+
+    def __init__(self, prompt_ids: Seq[int], vocab: int) -> None:
+        self.vocab = vocab
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+        ids = [t for t in prompt_ids if 0 <= t < vocab]
+        if ids:
+            self.prompt_seen[torch.tensor(ids)] = True
+        self.counts = torch.zeros(vocab)
+        self.n = 0
+
+    def sync(self, output_ids: Seq[int]) -> PenaltyCounts:
+        if len(output_ids) < self.n:  # never happens today (outputs only grow); recount rather than be wrong
+            self.counts.zero_()
+            self.n = 0
+        new = [t for t in output_ids[self.n:] if 0 <= t < self.vocab]
+        if new:
+            self.counts.index_add_(0, torch.tensor(new), torch.ones(len(new)))
+        self.n = len(output_ids)
+        return self
+
+
+def process_batch(rows: torch.Tensor, seqs: Seq[Any], eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
+    """``process`` for every row of ``rows`` [R, vocab] at once (row r belongs to ``seqs[r]``, a
+    :class:`~dspark.llm.scheduler.Sequence`, with its generated tokens so far): the same values, with
+    each step's work done as a few batched tensor operations instead of a dozen small ones per row."""
+    out = rows.clone()
+    R, V = out.shape
+    ps = [s.params for s in seqs]
+    ri: list[int] = []
+    ti: list[int] = []
+    for r, (s, p) in enumerate(zip(seqs, ps)):
+        if len(s.output_ids) < p.min_tokens:
+            blocked = [t for t in stop_ids(p, eos_ids) if 0 <= t < V]
+            ri += [r] * len(blocked)
+            ti += blocked
+    if ri:
+        out[torch.tensor(ri), torch.tensor(ti)] = NEG_INF
+    ri, ti, bv = [], [], []
+    for r, p in enumerate(ps):
+        for t, b in p.logit_bias.items():
+            ri.append(r)
+            ti.append(t)
+            bv.append(b)
+    if ri:
+        out.index_put_((torch.tensor(ri), torch.tensor(ti)), torch.tensor(bv, dtype=out.dtype), accumulate=True)
+    rep = [r for r, p in enumerate(ps) if p.repetition_penalty != 1.0]
+    pen = [r for r, (s, p) in enumerate(zip(seqs, ps))
+           if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_ids]
+    if rep or pen:
+        counts = {r: _counts(seqs[r], V) for r in {*rep, *pen}}
+        if rep:
+            seen = torch.stack([counts[r].prompt_seen | (counts[r].counts > 0) for r in rep])
+            k = torch.tensor([ps[r].repetition_penalty for r in rep], dtype=out.dtype)[:, None]
+            sub = out[rep]
+            out[rep] = torch.where(seen, torch.where(sub > 0, sub / k, sub * k), sub)
+        if pen:
+            c = torch.stack([counts[r].counts for r in pen]).to(out.dtype)
+            f = torch.tensor([ps[r].frequency_penalty for r in pen], dtype=out.dtype)[:, None]
+            pr = torch.tensor([ps[r].presence_penalty for r in pen], dtype=out.dtype)[:, None]
+            out[pen] = out[pen] - (f * c + pr * (c > 0).to(out.dtype))
+    gram = [r for r, s in enumerate(seqs) if s.constraint is not None]
+    if gram:
+        allowed = _allowed([seqs[r].constraint for r in gram])
+        masked = out[gram].masked_fill(~allowed, NEG_INF)
+        ok = torch.isfinite(masked).any(-1).tolist()
+        for j, r in enumerate(gram):
+            if not ok[j]:  # the rare fallbacks of ``_mask``, row by row
+                masked[j] = _fallback(rows[r], allowed[j], eos_ids)
+        out[gram] = masked
+    return out
+
+
+def _allowed(constraints: list[Constraint]) -> torch.Tensor:
+    """Bool [len, vocab] of ``allowed()``; a constraint type with a ``batch_allowed`` does them together."""
+    kind = type(constraints[0])
+    batch = getattr(kind, "batch_allowed", None)
+    if batch is not None and all(type(c) is kind for c in constraints):
+        return batch(constraints)  # type: ignore[no-any-return]
+    return torch.stack([c.allowed() for c in constraints])
+
+
+def _counts(seq: Any, vocab: int) -> PenaltyCounts:
+    pc = getattr(seq, "penalty_counts", None)
+    if pc is None or pc.vocab != vocab:
+        pc = seq.penalty_counts = PenaltyCounts(seq.prompt_ids, vocab)
+    return pc.sync(seq.output_ids)

@@ -49,6 +49,7 @@ class Sequence:
     prompt_logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.., when asked for
     first_scheduled: float | None = None  # time.perf_counter() when first planned into a step
     stop_floor: int = 0  # characters of ``text`` before which stop strings are not searched (min_tokens)
+    penalty_counts: Any = None  # dspark.llm.logits.PenaltyCounts, made on first use by the batched processing
     # No logits processing, logprobs or grammar: the engine's batched fast path. Set at construction.
     plain: bool = field(init=False, default=True)
 

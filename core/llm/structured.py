@@ -35,6 +35,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -118,6 +119,41 @@ class GrammarConstraint:
     @property
     def num_accepted(self) -> int:
         return self._n
+
+    @staticmethod
+    def batch_allowed(constraints: Seq[GrammarConstraint]) -> torch.Tensor:
+        """``allowed()`` of many at once (the engine's batched processing calls this)."""
+        return batch_allowed(constraints)
+
+
+_BATCH: Any = None  # one xgrammar BatchGrammarMatcher per process (it holds a thread pool)
+_BATCH_LOCK = threading.Lock()
+
+
+def batch_allowed(constraints: Seq[GrammarConstraint]) -> torch.Tensor:
+    """Bool [len(constraints), vocab]: ``allowed()`` of each, filled together by xgrammar's batch
+    matcher (in parallel threads, without the GIL) rather than one by one."""
+    global _BATCH
+    vocab = constraints[0]._vocab
+    out = torch.zeros(len(constraints), vocab, dtype=torch.bool)
+    live = [i for i, c in enumerate(constraints)
+            if isinstance(c, GrammarConstraint) and c._vocab == vocab and not c.is_terminated()]
+    if len(live) > 1:
+        import xgrammar as xgr
+
+        with _BATCH_LOCK:
+            if _BATCH is None:
+                _BATCH = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
+        words = constraints[live[0]]._bits.numel()
+        bits = torch.zeros(len(live), words, dtype=torch.int32)
+        _BATCH.batch_fill_next_token_bitmask([constraints[i]._m for i in live], bits)
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little", count=vocab)
+        out[live] = torch.from_numpy(unpacked).view(torch.bool)
+    done = set(live) if len(live) > 1 else set()
+    for i, c in enumerate(constraints):
+        if i not in done:
+            out[i] = c.allowed()
+    return out
 
 
 class _Tables:
