@@ -1,7 +1,7 @@
 """What the server's sampling features cost the engine (issue 22), as ratios to plain decoding.
 
 Usage: .venv/bin/python benchmarks/sampling_features.py [--threads 2] [--batch 32] [--tokens 64] [--rounds 3]
-       [--variants plain,logprobs=5,...] [--json]
+       [--variants plain,logprobs=5,...] [--host-only] [--json]
 
 On the embedded model, float32, in one process: the same requests (``--batch``
 prompts cut from held-out stdlib files, greedy, ``ignore_eos`` so each yields
@@ -70,10 +70,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=None, help="comma list (default all); 'plain' alone also runs on an "
                     "engine from before these features, for an A/B of the plain path")
+    ap.add_argument("--host-only", action="store_true", help="replace the model's forward by fixed logits: "
+                    "report the engine's own host time per step (scheduling, sampling, processing, outputs)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     llm = LLM(dtype="float32", max_batch_size=max(a.batch, 1))
+    if a.host_only:
+        vocab = llm.engine.runner.cfg.vocab_size
+        fixed = [torch.randn(vocab, generator=torch.Generator().manual_seed(i)) for i in range(64)]
+        llm.engine.runner.step = lambda cache, chunks, **kw: [fixed[i % 64] for i in range(len(chunks))]
     prompts = [r.prompt for r in default_workload(a.batch, seed=3, prompt_tokens=(16, 64), max_tokens=(1, 2))]
     vs = variants(a.tokens, a.variants.split(",") if a.variants else None)
     for kw in vs.values():  # warm-up: allocator, grammar compiles and xgrammar's import
@@ -90,13 +96,17 @@ def main() -> None:
         extra_us = (1 / med - 1 / plain) * 1e6  # wall time added per generated token
         rows.append({"variant": name, "tok_s": round(med, 1), "vs_plain": round(med / plain, 3),
                      "extra_us_per_token": round(extra_us, 1)})
+    if a.host_only:
+        for r in rows:  # every request yields --tokens tokens in --tokens steps
+            r["host_ms_per_step"] = round(a.batch / r["tok_s"] * 1e3, 3)
     if a.json:
         print(json.dumps({"batch": a.batch, "tokens": a.tokens, "threads": a.threads, "rows": rows}, indent=1))
         return
     print(f"batch {a.batch}, {a.tokens} tokens each, {a.threads} threads, median of {a.rounds} rounds")
-    print(f"{'variant':<12} {'tok/s':>9} {'vs plain':>9} {'+us/token':>10}")
+    print(f"{'variant':<12} {'tok/s':>9} {'vs plain':>9} {'+us/token':>10}" + (" host ms/step" if a.host_only else ""))
     for r in rows:
-        print(f"{r['variant']:<12} {r['tok_s']:>9} {r['vs_plain']:>9} {r['extra_us_per_token']:>10}")
+        print(f"{r['variant']:<12} {r['tok_s']:>9} {r['vs_plain']:>9} {r['extra_us_per_token']:>10}"
+              + (f" {r['host_ms_per_step']:>12}" if a.host_only else ""))
 
 
 if __name__ == "__main__":
