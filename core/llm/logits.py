@@ -90,45 +90,30 @@ def stop_ids(params: SamplingParams, eos_ids: set[int] | frozenset[int]) -> list
 
 def process(row: torch.Tensor, prompt_ids: Seq[int], output_ids: Seq[int], params: SamplingParams,
             constraint: Constraint | None, eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
-    """The processed copy of fp32 ``row`` [vocab] (``row`` itself is never written).
+    """The processed copy of fp32 ``row`` [vocab] (``row`` itself is never written): ``process_batch``
+    for one row that no sequence holds, so its token counts are made afresh from ``output_ids``.
 
     ``output_ids``: the tokens generated so far, plus any draft tokens taken
     ahead of this row in speculative verification.
     """
-    out = row.clone()  # ``row`` is usually a view of the step's batch of logits
-    dev, V = out.device, out.shape[-1]
-    if len(output_ids) < params.min_tokens:
-        blocked = [t for t in stop_ids(params, eos_ids) if 0 <= t < V]
-        if blocked:
-            out[torch.tensor(blocked, device=dev)] = NEG_INF
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=dev)
-        out[ids] += torch.tensor(list(params.logit_bias.values()), dtype=out.dtype, device=dev)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor([*prompt_ids, *output_ids], device=dev).unique()
-        s = out[seen]
-        out[seen] = torch.where(s > 0, s / params.repetition_penalty, s * params.repetition_penalty)
-    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and len(output_ids):
-        counts = torch.bincount(torch.tensor(list(output_ids), device=dev), minlength=V)[:V].to(out.dtype)
-        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
-    if constraint is not None:
-        out = _mask(out, row, constraint, eos_ids)
-    return out
+    view = _RowView(prompt_ids, output_ids, params, constraint)
+    return process_batch(row[None], [view], eos_ids)[0]
 
 
-def _mask(out: torch.Tensor, raw: torch.Tensor, constraint: Constraint, eos_ids: set[int] | frozenset[int]
-          ) -> torch.Tensor:
-    """The grammar mask, which wins over everything else: when min_tokens has blocked every token the
-    grammar allows (it allows only EOS at its end), the grammar's choice among the raw logits stands."""
-    allowed = constraint.allowed().to(out.device)
-    masked = out.masked_fill(~allowed, NEG_INF)
-    if bool(torch.isfinite(masked).any()):
-        return masked
-    return _fallback(raw, allowed, eos_ids)
+@dataclass
+class _RowView:
+    """What ``process_batch`` reads of a sequence."""
+
+    prompt_ids: Seq[int]
+    output_ids: Seq[int]
+    params: SamplingParams
+    constraint: Constraint | None
+    penalty_counts: Any = None
 
 
 def _fallback(raw: torch.Tensor, allowed: torch.Tensor, eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
-    """A row the grammar mask left without a finite logit: the grammar's choice among the raw logits."""
+    """A row the grammar mask left without a finite logit (min_tokens blocked the EOS that is all the
+    grammar allows at its end): the grammar wins, choosing among the raw logits."""
     if bool(allowed.any()):
         return raw.masked_fill(~allowed, NEG_INF)
     # A grammar that allows nothing at all (its own fault) ends the text rather than failing the step.
@@ -185,11 +170,14 @@ class PenaltyCounts:
 
 
 def process_batch(rows: torch.Tensor, seqs: Seq[Any], eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
-    """``process`` for every row of ``rows`` [R, vocab] at once (row r belongs to ``seqs[r]``, a
-    :class:`~dspark.llm.scheduler.Sequence`, with its generated tokens so far): the same values, with
-    each step's work done as a few batched tensor operations instead of a dozen small ones per row."""
-    out = rows.clone()
+    """The processed copy of every row of ``rows`` [R, vocab] (row r belongs to ``seqs[r]``, a
+    :class:`~dspark.llm.scheduler.Sequence` or anything with its fields, with its generated tokens so
+    far), in the module's order, as a few batched tensor operations for the whole step rather than a
+    dozen small ones per row. A sequence's token counts are kept on it (``penalty_counts``) and
+    brought up to date from the tokens appended since."""
+    out = rows.clone()  # ``rows`` is usually a view of the step's batch of logits
     R, V = out.shape
+    dev = out.device
     ps = [s.params for s in seqs]
     ri: list[int] = []
     ti: list[int] = []
@@ -199,7 +187,7 @@ def process_batch(rows: torch.Tensor, seqs: Seq[Any], eos_ids: set[int] | frozen
             ri += [r] * len(blocked)
             ti += blocked
     if ri:
-        out[torch.tensor(ri), torch.tensor(ti)] = NEG_INF
+        out[torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)] = NEG_INF
     ri, ti, bv = [], [], []
     for r, p in enumerate(ps):
         for t, b in p.logit_bias.items():
@@ -207,29 +195,30 @@ def process_batch(rows: torch.Tensor, seqs: Seq[Any], eos_ids: set[int] | frozen
             ti.append(t)
             bv.append(b)
     if ri:
-        out.index_put_((torch.tensor(ri), torch.tensor(ti)), torch.tensor(bv, dtype=out.dtype), accumulate=True)
+        out.index_put_((torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)),
+                       torch.tensor(bv, dtype=out.dtype, device=dev), accumulate=True)
     rep = [r for r, p in enumerate(ps) if p.repetition_penalty != 1.0]
     pen = [r for r, (s, p) in enumerate(zip(seqs, ps))
            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_ids]
     if rep or pen:
         counts = {r: _counts(seqs[r], V) for r in {*rep, *pen}}
         if rep:
-            seen = torch.stack([counts[r].prompt_seen | (counts[r].counts > 0) for r in rep])
-            k = torch.tensor([ps[r].repetition_penalty for r in rep], dtype=out.dtype)[:, None]
+            seen = torch.stack([counts[r].prompt_seen | (counts[r].counts > 0) for r in rep]).to(dev)
+            k = torch.tensor([ps[r].repetition_penalty for r in rep], dtype=out.dtype, device=dev)[:, None]
             sub = out[rep]
             out[rep] = torch.where(seen, torch.where(sub > 0, sub / k, sub * k), sub)
         if pen:
-            c = torch.stack([counts[r].counts for r in pen]).to(out.dtype)
-            f = torch.tensor([ps[r].frequency_penalty for r in pen], dtype=out.dtype)[:, None]
-            pr = torch.tensor([ps[r].presence_penalty for r in pen], dtype=out.dtype)[:, None]
+            c = torch.stack([counts[r].counts for r in pen]).to(device=dev, dtype=out.dtype)
+            f = torch.tensor([ps[r].frequency_penalty for r in pen], dtype=out.dtype, device=dev)[:, None]
+            pr = torch.tensor([ps[r].presence_penalty for r in pen], dtype=out.dtype, device=dev)[:, None]
             out[pen] = out[pen] - (f * c + pr * (c > 0).to(out.dtype))
     gram = [r for r, s in enumerate(seqs) if s.constraint is not None]
     if gram:
-        allowed = _allowed([seqs[r].constraint for r in gram])
+        allowed = _allowed([seqs[r].constraint for r in gram]).to(dev)
         masked = out[gram].masked_fill(~allowed, NEG_INF)
         ok = torch.isfinite(masked).any(-1).tolist()
         for j, r in enumerate(gram):
-            if not ok[j]:  # the rare fallbacks of ``_mask``, row by row
+            if not ok[j]:  # rare: the mask left no finite logit, and the grammar's choice wins
                 masked[j] = _fallback(rows[r], allowed[j], eos_ids)
         out[gram] = masked
     return out

@@ -1,4 +1,4 @@
-"""The engine's batched logits processing gives exactly what processing each row alone gives."""
+"""The engine's batched logits processing: a row comes out the same whatever else is in the batch."""
 
 from __future__ import annotations
 
