@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from dspark.llm import byte_level
+
 if TYPE_CHECKING:
     from dspark.llm.sampling import GuidedSpec
 
@@ -292,24 +294,6 @@ def _ebnf_literal(s: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _byte_level_encode(text: str) -> str:
-    """GPT-2 byte-level form of ``text`` (how a byte-level BPE vocabulary spells tokens)."""
-    return "".join(_BYTE_TO_CHAR[b] for b in text.encode("utf-8"))
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, n = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
-_BYTE_TO_CHAR = _bytes_to_unicode()
-
-
 def _tokenizer_info(tok: Any, model_vocab: int, eos: list[int]) -> Any:
     """xgrammar's TokenizerInfo for a ``tokenizers.Tokenizer``, special tokens blanked.
 
@@ -334,6 +318,6 @@ def _tokenizer_info(tok: Any, model_vocab: int, eos: list[int]) -> Any:
         if added.special:
             encoded[i] = ""
         elif meta.vocab_type == xgr.VocabType.BYTE_LEVEL:
-            encoded[i] = _byte_level_encode(added.content)  # added tokens are stored as plain text
+            encoded[i] = byte_level.encode(added.content)  # added tokens are stored as plain text
     return xgr.TokenizerInfo(encoded, meta.vocab_type, vocab_size=size, stop_token_ids=eos,
                              add_prefix_space=meta.add_prefix_space)

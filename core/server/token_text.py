@@ -10,25 +10,11 @@ token whose bytes are not valid UTF-8 by themselves is shown as
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from typing import Any
 
+from dspark.llm import byte_level
+
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: each printable stand-in character -> its byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class TokenText:
@@ -37,7 +23,7 @@ class TokenText:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         decoder = _decoder_types(tokenizer)
-        self.byte_level = "ByteLevel" in decoder
+        self.is_byte_level = "ByteLevel" in decoder
         self._cache: dict[int, bytes] = {}
         # Added tokens (<s>, </s> ...) are stored as their text, not byte-level encoded.
         self._special: set[int] = set(tokenizer.get_added_tokens_decoder()) if tokenizer is not None else set()
@@ -51,9 +37,8 @@ class TokenText:
             b = b""
         elif tid in self._special:
             b = piece.encode()
-        elif self.byte_level:
-            dec = _byte_decoder()
-            b = bytes(dec[c] for c in piece) if all(c in dec for c in piece) else piece.encode()
+        elif self.is_byte_level:
+            b = byte_level.decode(piece) or piece.encode()
         elif m := _BYTE_FALLBACK.match(piece):
             b = bytes([int(m.group(1), 16)])
         else:  # SentencePiece-style: the word-boundary marker is a space

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dspark.llm import structured
+from dspark.llm import byte_level, structured
 from dspark.llm.structured import build_constraint
 
 MODEL = Path(structured.__file__).resolve().parent.parent / "assets" / "models" / "stdlib-llama"
@@ -66,7 +66,7 @@ def _closers(tok: Any) -> list[int]:
     """Token ids that end a string, an array or an object, in the order the closing rule prefers them."""
     if not CLOSERS:
         for text in ('"}', '"]', '"', "}", "]", ")"):
-            i = tok.token_to_id(structured._byte_level_encode(text))
+            i = tok.token_to_id(byte_level.encode(text))
             if i is not None:
                 CLOSERS.append(i)
     return CLOSERS
