@@ -3,7 +3,7 @@
 Usage: .venv/bin/python benchmarks/grammar_mask.py [--reps 30] [--compile-reps 5]
 
 Both libraries are driven on the embedded model's tokenizer
-(core/assets/models/stdlib-llama/tokenizer.json: byte-level BPE, vocab 8192,
+(core/dspark/assets/models/stdlib-llama/tokenizer.json: byte-level BPE, vocab 8192,
 EOS 1) with the same settings dspark's structured output uses (no free
 whitespace; separators ", " and ": "). For each case the realistic document
 below is BPE-tokenized once, then replayed ``--reps`` times through a fresh
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-TOKENIZER = Path(__file__).resolve().parent.parent / "core" / "assets" / "models" / "stdlib-llama" / "tokenizer.json"
+TOKENIZER = Path(__file__).resolve().parent.parent / "core" / "dspark" / "assets" / "models" / "stdlib-llama" / "tokenizer.json"
 VOCAB = 8192  # the model's config.json vocab_size
 EOS = 1
 SEPARATORS = (", ", ": ")

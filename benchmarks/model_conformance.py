@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import MODELS  # noqa: E402
 
-from dspark.importers import load_model  # noqa: E402
+from dspark.graph.importers import load_model  # noqa: E402
 from dspark.testing import check_plugin, model_op_cases  # noqa: E402
 
 

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import MODELS  # noqa: E402
 
-from dspark.bidding import collect_bids  # noqa: E402
-from dspark.adaptive import AdaptiveRunner  # noqa: E402
-from dspark.executor import compile_plan, forced_plan  # noqa: E402
-from dspark.importers import load_model  # noqa: E402
-from dspark.inventory import probe  # noqa: E402
-from dspark.plugin_manager import PluginHost  # noqa: E402
+from dspark.placement.bidding import collect_bids  # noqa: E402
+from dspark.placement.adaptive import AdaptiveRunner  # noqa: E402
+from dspark.placement.executor import compile_plan, forced_plan  # noqa: E402
+from dspark.graph.importers import load_model  # noqa: E402
+from dspark.host.inventory import probe  # noqa: E402
+from dspark.host.plugin_manager import PluginHost  # noqa: E402
 
 SINGLES = {"torch@cpu": "torch reference", "npu@cpu": "ONNX Runtime CPU EP", "cpu@cpu": "OpenVINO CPU"}
 

@@ -29,7 +29,7 @@ quantization of activations in compressed-weight matmuls
 activations per token by default.
 
 Measured per variant: held-out perplexity and top-1 on the same windows as
-dspark's (``dspark.quantization.evaluate.heldout_windows``: 64 windows of
+dspark's (``dspark.llm.quantization.evaluate.heldout_windows``: 64 windows of
 256 predicted tokens), greedy single-request decode tokens/s
 (prompt of 64 held-out tokens, 128 new tokens; decode tok/s = (T(n) - T(1)) /
 (n - 1), so prefill is excluded, as benchmarks/engine.py measures dspark),
@@ -302,7 +302,7 @@ def variants(model_path: Path, threads: int = 2, names: tuple[str, ...] = VARIAN
 
 def main() -> None:
     from dspark.llm.api import default_model_path
-    from dspark.quantization.evaluate import heldout_windows
+    from dspark.llm.quantization.evaluate import heldout_windows
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=default_model_path())

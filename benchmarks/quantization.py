@@ -5,7 +5,7 @@ Usage: .venv/bin/python benchmarks/quantization.py [--quick] [--threads 2] [--ro
 
 In one run, two models:
 
-  embedded    core/assets/models/stdlib-llama (22M parameters, trained):
+  embedded    core/dspark/assets/models/stdlib-llama (22M parameters, trained):
               held-out perplexity and top-1, single-request decode tokens/s,
               weight bytes
   random-90m  a seeded random-weight Llama of the same family, 82M
@@ -27,7 +27,7 @@ baseline) and NNCF ``compress_weights`` int8 / int4 with NNCF's defaults
 whose construction fails is reported "not available" with the error.
 
 Measures, on every row alike:
-  perplexity / top-1   ``dspark.quantization.evaluate.heldout_windows``: the
+  perplexity / top-1   ``dspark.llm.quantization.evaluate.heldout_windows``: the
                        model's held-out stdlib files, 64 windows of 256
                        predicted tokens (quick: 16); dspark rows through
                        ``perplexity(m.runner, windows)``, the peer through
@@ -121,7 +121,7 @@ def dspark_row(name: str, method: str, path: Path, extra: dict[str, Any] | None 
         m = optimize_model(path, quantization_config=qc, dtype="float32", max_batch_size=1, max_total_tokens=2048)
     except Exception as e:  # a scheme the API cannot build yet is reported, not fatal
         return Row(name, "dspark", setting, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    from dspark.quantization.evaluate import perplexity
+    from dspark.llm.quantization.evaluate import perplexity
 
     def gen(prompt: list[int], n: int) -> list[int]:
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -184,7 +184,7 @@ def measure(rows: list[Row], windows: list[list[int]] | None, prompt: list[int],
 
 def section(label: str, path: Path, *, with_ppl: bool, methods: set[str] | None, args: argparse.Namespace,
             n_new: int, max_windows: int, mixed_extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from dspark.quantization.evaluate import heldout_windows
+    from dspark.llm.quantization.evaluate import heldout_windows
 
     def log(s: str) -> None:
         print(s, flush=True)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from dspark.llm import LLM, SamplingParams
-from dspark.server.bench import default_workload
+from dspark.server.loadgen.bench import default_workload
 
 REGEX = r"[a-z_]{1,12}( [a-z_]{1,12}){0,80}"
 

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import psutil
 
-from dspark.server.bench import LoadConfig, default_workload, run
-from dspark.server.bench_stats import RequestResult, Summary, summarize
-from dspark.server.bench_sweep import ServerProcess, free_port, server_command, sweep
+from dspark.server.loadgen.bench import LoadConfig, default_workload, run
+from dspark.server.loadgen.stats import RequestResult, Summary, summarize
+from dspark.server.loadgen.sweep import ServerProcess, free_port, server_command, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """``dspark_bid``: for subgraphs OpenVINO can run, the subgraph timed on OpenVINO (cached),
-else a roofline over the measured device figures (:mod:`dspark.calibration`).
+else a roofline over the measured device figures (:mod:`dspark.sdk.calibration`).
 
-Weight-bound linears (:func:`dspark.calibration.streams_weights`), float or
+Weight-bound linears (:func:`dspark.sdk.calibration.streams_weights`), float or
 quantized by this plugin, are timed with cold caches, corrected by a tiny
 linear of the same kind: in an LLM decode step their weights come from DRAM
 while the runtime stays hot, and a warm loop would flatter the float layout.
@@ -9,9 +9,9 @@ while the runtime stays hot, and a warm loop would flatter the float layout.
 
 from __future__ import annotations
 
-from dspark import calibration
-from dspark.cost import DEFAULT_OP_OVERHEAD_S
-from dspark.graph import Subgraph
+from dspark.sdk import calibration
+from dspark.sdk.cost import DEFAULT_OP_OVERHEAD_S
+from dspark.graph.model import Subgraph
 from dspark.types import Bid, Device, DType
 from dspark_plugins_cpu import runtime, support
 from dspark_plugins_cpu.quantize import PLUGIN_NAME, quantize

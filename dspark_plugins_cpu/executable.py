@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.graph import Subgraph
+from dspark.graph.model import Subgraph
 from dspark.types import Device
 from dspark_plugins_cpu import runtime, support
 from dspark_plugins_cpu.quantize import PLUGIN_NAME, build_model, dq_group_size

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from dspark import cache, hostinfo
+from dspark.sdk import cache, hostinfo
 from dspark.types import Device, DType, HardwareUnavailable, Unavailable
 from dspark_plugins_cpu import bench, runtime
 from dspark_plugins_cpu.properties import read_properties

@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from dspark.graph import Subgraph
+from dspark.graph.model import Subgraph
 from dspark_plugins_cpu import runtime
 
 _MAX_ENTRIES = 4096

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from dspark import cache
+from dspark.sdk import cache
 
 NAMESPACE = "cuda_bench"
 BENCH_VERSION = "cuda-bench-v1"

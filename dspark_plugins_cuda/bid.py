@@ -1,11 +1,11 @@
-"""dspark_bid: the subgraph timed on the GPU through dspark_compile (cached, :mod:`dspark.calibration`),
+"""dspark_bid: the subgraph timed on the GPU through dspark_compile (cached, :mod:`dspark.sdk.calibration`),
 else a roofline over the measured figures plus per-op kernel launch cost. The plugin's own
 quantized variants are bid on in :mod:`dspark_plugins_cuda.quantize`."""
 
 from __future__ import annotations
 
-from dspark import calibration
-from dspark.graph import Subgraph
+from dspark.sdk import calibration
+from dspark.graph.model import Subgraph
 from dspark.types import Bid, Device
 
 # An eager torch op on CUDA costs one or more kernel launches plus Python

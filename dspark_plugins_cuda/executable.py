@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark.graph import Subgraph
+from dspark.graph.model import Subgraph
 from dspark_plugins_cuda.precision import fp32_mode
 
 

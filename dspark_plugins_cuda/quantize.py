@@ -1,7 +1,7 @@
 """dspark_quantize for the cuda plugin, and the bid and executable of its quantized variants.
 
 A variant covers a subgraph made only of MatMuls whose right operand is a 2-D float32
-weight initializer (``dspark.quant.linear_subgraph`` builds one per LLM projection). Its
+weight initializer (``dspark.sdk.quant.linear_subgraph`` builds one per LLM projection). Its
 payload maps each weight name to a :class:`~dspark_plugins_cuda.triton_quant.PackedWeight`
 (numpy arrays: built without a GPU, moved to it by the executable). torch and Triton are
 imported only when an executable is built.
@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from dspark import calibration
-from dspark.graph import Subgraph
-from dspark.quant import quantizable_weights, quantize_weight
+from dspark.sdk import calibration
+from dspark.graph.model import Subgraph
+from dspark.sdk.quant import quantizable_weights, quantize_weight
 from dspark.types import Bid, Device, QuantSpec
 
 PLUGIN = "cuda"

@@ -1,6 +1,6 @@
 """Triton dequantize-matmul kernels (``y = x @ dequant(W)``) and the weight layouts they read.
 
-Weights arrive in dspark's canonical layout (:mod:`dspark.quant`: ``W`` is (K, N), K = input
+Weights arrive in dspark's canonical layout (:mod:`dspark.sdk.quant`: ``W`` is (K, N), K = input
 features, symmetric scales float32 (G, N), int4 two per byte along K) and are repacked once,
 with numpy, so a quantized variant can be built and stored on a machine without a GPU:
 
@@ -30,7 +30,7 @@ stores are masked):
   int32 tensor-core dot, rescaled by the row and column scales.
 - :data:`_int4_mm`: float x times int4 weights, weight-only.
 - :data:`_quant_rows`: dynamic symmetric per-row int8 quantization of x, rounding half to
-  even with IEEE division like :func:`dspark.quant.quantize_activations_per_token`.
+  even with IEEE division like :func:`dspark.sdk.quant.quantize_activations_per_token`.
 
 Per-group scales are applied to each K block's partial dot, so a K block must lie inside one
 group: group-wise weights need ``group_size % 32 == 0`` (:func:`supported`); per-channel ones
@@ -50,7 +50,7 @@ import numpy as np
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from dspark.quant import QuantizedWeight, unpack_int4
+from dspark.sdk.quant import QuantizedWeight, unpack_int4
 from dspark.types import QuantSpec
 
 MIN_GROUP = 32  # group sizes must be a multiple of this (a K block never straddles two groups)
@@ -87,7 +87,7 @@ def supported(spec: QuantSpec, k: int) -> str | None:
 
 
 def repack(qw: QuantizedWeight) -> PackedWeight:
-    """Canonical :class:`~dspark.quant.QuantizedWeight` -> kernel layout (exact; :func:`unpack` inverts it)."""
+    """Canonical :class:`~dspark.sdk.quant.QuantizedWeight` -> kernel layout (exact; :func:`unpack` inverts it)."""
     k, n = qw.shape
     scales = np.ascontiguousarray(qw.scales, dtype=np.float32)
     if qw.bits == 8:

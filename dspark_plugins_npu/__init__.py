@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from dspark.graph import Subgraph
+    from dspark.graph.model import Subgraph
     from dspark.types import Bid, Device, QuantSpec, Unavailable
     from dspark_plugins_npu.executable import OrtExecutable
 

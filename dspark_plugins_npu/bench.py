@@ -1,7 +1,7 @@
 """Microbenchmarks of one execution provider: MatMul throughput and call/op overheads.
 
 Measured once per (ORT version, provider, device, host) and kept in
-:mod:`dspark.cache`; ``refresh`` measures again. Takes well under a second on
+:mod:`dspark.host.cache`; ``refresh`` measures again. Takes well under a second on
 a laptop CPU.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark import cache, hostinfo
-from dspark.cost import time_call
+from dspark.sdk import cache, hostinfo
+from dspark.sdk.cost import time_call
 from dspark_plugins_npu import models, providers, session
 
 NAMESPACE = "npu_onnxruntime"
@@ -31,7 +31,7 @@ def measure(ep: str, index: int, refresh: bool) -> dict[str, float]:
     key = cache_key(ep, index)
     if not refresh and (hit := cache.load(NAMESPACE, key)) is not None:
         return {k: float(v) for k, v in hit.items()}
-    from dspark.hostinfo import cpu_benchmark_lock
+    from dspark.host.hostinfo import cpu_benchmark_lock
 
     with cpu_benchmark_lock:  # also for GPU EPs: the host thread's timing must not be contended
         result = {

@@ -6,7 +6,7 @@ the provider). The verdict is cached per subgraph signature, model format
 (float or a quantized format) and provider; the signature ignores weight
 values, which do not change what ORT accepts. Our own quantized variants are
 bid on at their precision, timed like float subgraphs; weight-bound linears
-(:func:`dspark.calibration.streams_weights`), float or quantized, are timed
+(:func:`dspark.sdk.calibration.streams_weights`), float or quantized, are timed
 with cold caches on a CPU, as in an LLM decode step (their weights come from
 DRAM there, and a warm loop would flatter the float layout).
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from dspark import calibration
-from dspark.graph import Subgraph
-from dspark.log import get_logger
+from dspark.sdk import calibration
+from dspark.graph.model import Subgraph
+from dspark.host.log import get_logger
 from dspark.types import Bid, Device
 from dspark_plugins_npu import providers, session
 from dspark_plugins_npu.executable import ep_of, model_bytes, model_format

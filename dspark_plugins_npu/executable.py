@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.graph import Subgraph
+from dspark.graph.model import Subgraph
 from dspark.types import Device
 from dspark_plugins_npu import session
 from dspark_plugins_npu.quantize import QuantPayload

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dspark import hostinfo
+from dspark.sdk import hostinfo
 from dspark.types import Device, DType, HardwareUnavailable, Unavailable
 from dspark_plugins_npu import bench, models, providers, session
 

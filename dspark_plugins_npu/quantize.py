@@ -1,4 +1,4 @@
-"""Quantized variants: the canonical weights (:mod:`dspark.quant`) in ONNX Runtime's own formats.
+"""Quantized variants: the canonical weights (:mod:`dspark.sdk.quant`) in ONNX Runtime's own formats.
 
 A variant's payload is a whole ONNX model (:class:`QuantPayload`) in which
 every ``MatMul`` reading a 2-D float32 weight as its right operand reads the
@@ -24,7 +24,7 @@ canonical int8/int4 values instead, in one of these formats:
 ``matmul_integer``
     int8 per-channel with dynamic per-token activations in standard ops
     (absmax per row / 127, round, ``MatMulInteger``, both scales), exactly
-    :func:`dspark.quant.reference_linear`'s computation, for EPs without the
+    :func:`dspark.sdk.quant.reference_linear`'s computation, for EPs without the
     contrib op. (``DynamicQuantizeMatMul`` is not used: its per-tensor uint8
     activations saturate MLAS' AVX2 u8s8 kernel with full-range int8 weights,
     errors near 1.0 were measured.)
@@ -42,15 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.log import get_logger
-from dspark.quant import QuantizedWeight, quantizable_weights, quantize_weight, unpack_int4
+from dspark.host.log import get_logger
+from dspark.sdk.quant import QuantizedWeight, quantizable_weights, quantize_weight, unpack_int4
 from dspark.types import Device, QuantSpec
 from dspark_plugins_npu import providers
 
 if TYPE_CHECKING:
     import onnx
 
-    from dspark.graph import Subgraph
+    from dspark.graph.model import Subgraph
 
 log = get_logger("dspark_plugins_npu")
 

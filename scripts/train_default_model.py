@@ -16,7 +16,7 @@ Stages (``--stages``, default all of them, in this order):
                   perplexity / top-1 next-token accuracy, writes the model cards
                   and greedy-generates a little text as a sanity check.
 
-Outputs: ``core/assets/models/stdlib-llama`` and ``.../stdlib-llama-draft``
+Outputs: ``core/dspark/assets/models/stdlib-llama`` and ``.../stdlib-llama-draft``
 (Hugging Face format, bf16 safetensors). Checkpoints (fp32 + optimizer) are
 kept in ``--ckpt-dir`` so an interrupted run resumes with ``--resume``.
 
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-MAIN_DIR = REPO / "core" / "assets" / "models" / "stdlib-llama"
-DRAFT_DIR = REPO / "core" / "assets" / "models" / "stdlib-llama-draft"
+MAIN_DIR = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+DRAFT_DIR = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama-draft"
 
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
 MAX_FILE_BYTES = 200 * 1024

@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 from dspark import TOLERANCES, hookimpl
-from dspark.adaptive import AdaptiveRunner, plan_memory_needs
-from dspark.demo import demo_graph
-from dspark.executor import random_inputs, reference_outputs
-from dspark.graph import Graph, Subgraph
-from dspark.inventory import Inventory, probe
-from dspark.placer import MEMORY_HEADROOM
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.placement.adaptive import AdaptiveRunner, plan_memory_needs
+from dspark.cli.demo import demo_graph
+from dspark.placement.executor import random_inputs, reference_outputs
+from dspark.graph.model import Graph, Subgraph
+from dspark.host.inventory import Inventory, probe
+from dspark.placement.placer import MEMORY_HEADROOM
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.types import Bid, Device
 
 import dspark_plugins_cpu as openvino

@@ -18,9 +18,9 @@ import pytest
 
 import dspark_plugins_cpu
 import dspark_plugins_npu
-from dspark import calibration
+from dspark.sdk import calibration
 from dspark.builtin import torch_ref
-from dspark.graph import Graph, Op, Subgraph, TensorSpec
+from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
 from dspark.testing import op_case
 from dspark.types import Bid, Device, Executable
 

@@ -12,11 +12,11 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from dspark import placer
-from dspark.demo import demo_graph, demo_onnx
-from dspark.graph import Graph
-from dspark.placer_ilp import solve
-from dspark.profile import ProfileError, load_profile, parse_profile, profile_host
+from dspark.placement import placer
+from dspark.cli.demo import demo_graph, demo_onnx
+from dspark.graph.model import Graph
+from dspark.placement.placer_ilp import solve
+from dspark.placement.profile import ProfileError, load_profile, parse_profile, profile_host
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +46,9 @@ def saved_plan(model: Path) -> tuple[Path, dict[str, object]]:
 
 
 def test_commands_registered_when_the_console_script_imports_the_cli() -> None:
-    import dspark.cli
+    import dspark.cli.main
 
-    names = {c.name or c.callback.__name__ for c in dspark.cli.app.registered_commands if c.callback}
+    names = {c.name or c.callback.__name__ for c in dspark.cli.main.app.registered_commands if c.callback}
     assert {"plan", "run", "devices", "demo"} <= names
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from dspark import hookimpl
 from dspark.builtin import torch_ref
-from dspark.graph import Subgraph
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.graph.model import Subgraph
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.testing import PluginConformance, check_plugin, op_cases, reference_outputs
 from dspark.types import Bid, Device, Draft, DrafterSpec, TargetModel
 

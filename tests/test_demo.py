@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-from dspark.demo import demo_graph, run_demo
-from dspark.inventory import probe
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.cli.demo import demo_graph, run_demo
+from dspark.host.inventory import probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 
 
 def test_demo_graph_is_analysed() -> None:

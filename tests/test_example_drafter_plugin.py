@@ -23,7 +23,7 @@ import json
 import torch
 torch.set_num_threads(1)
 from dspark import LLM, SamplingParams
-from dspark.plugin_manager import PluginHost
+from dspark.host.plugin_manager import PluginHost
 
 host = PluginHost().load()
 rec = host.records["bigram"]

@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 import pytest
 from dspark import TOLERANCES, hookimpl
-from dspark.demo import demo_graph
-from dspark.executor import (
+from dspark.cli.demo import demo_graph
+from dspark.placement.executor import (
     PartitionFailed,
     PlanError,
     compile_plan,
@@ -20,10 +20,10 @@ from dspark.executor import (
     random_inputs,
     reference_outputs,
 )
-from dspark.graph import Graph, Subgraph
-from dspark.inventory import Inventory, probe
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.graph.model import Graph, Subgraph
+from dspark.host.inventory import Inventory, probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.types import Bid, Device
 from onnx import TensorProto, helper, numpy_helper
 

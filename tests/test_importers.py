@@ -17,9 +17,9 @@ import torch
 from onnx import TensorProto, helper
 
 from dspark.builtin.torch_ref import TorchExecutable
-from dspark.graph import Graph
-from dspark.importers import ModelSpecError, load_factory, load_model
-from dspark.onnx_io import UnsupportedModelError
+from dspark.graph.model import Graph
+from dspark.graph.importers import ModelSpecError, load_factory, load_model
+from dspark.graph.onnx_io import UnsupportedModelError
 
 ZOO = str(Path(__file__).parent / "models" / "zoo.py")
 
@@ -178,7 +178,7 @@ def test_module_example_inputs_attribute_form(cnn: Graph) -> None:
 def test_dynamic_spec_forms() -> None:
     from torch.export import Dim
 
-    from dspark.importers import _dynamic_shapes
+    from dspark.graph.importers import _dynamic_shapes
 
     shapes, declared = _dynamic_shapes({"x": {0: "batch"}, "m": {0: "batch", 1: Dim("seq")}}, ["x", "m"])
     assert declared == [(0, 0, "batch"), (1, 0, "batch"), (1, 1, "seq")]
@@ -190,8 +190,8 @@ def test_dynamic_spec_forms() -> None:
 
 
 def test_derived_dim_hints() -> None:
-    from dspark.graph import TensorSpec
-    from dspark.onnx_io import derive_dim_hints
+    from dspark.graph.model import TensorSpec
+    from dspark.graph.onnx_io import derive_dim_hints
 
     specs = {t: TensorSpec(name=t, dtype="float32", shape=shape) for t, shape in {
         "a": ("batch*seq", 4), "b": ("floor(seq/3)", "2*batch + 1"), "c": ("__import__('os')", "other")}.items()}

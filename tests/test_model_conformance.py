@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark.demo import demo_graph
-from dspark.executor import random_inputs
-from dspark.importers import load_model
+from dspark.cli.demo import demo_graph
+from dspark.placement.executor import random_inputs
+from dspark.graph.importers import load_model
 from dspark.testing import check_plugin, model_op_cases
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))

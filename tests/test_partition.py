@@ -6,8 +6,8 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from dspark.graph import Graph, Op, TensorSpec
-from dspark.partition import fuse
+from dspark.graph.model import Graph, Op, TensorSpec
+from dspark.placement.partition import fuse
 
 
 def chain_graph(edges: list[tuple[int, int]], n: int) -> Graph:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark.placer_ilp import HOST, Problem, TensorFlow, assignment_cost, brute_force, solve
+from dspark.placement.placer_ilp import HOST, Problem, TensorFlow, assignment_cost, brute_force, solve
 
 
 def random_problem(seed: int, n_ops: int, n_t: int = 3, budget: bool = False) -> Problem:

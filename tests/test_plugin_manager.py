@@ -9,11 +9,11 @@ import pytest
 
 from bad_plugins import FutureApi, Good, Hangs, Misspelled, NoApi, RaisesIn, UnmarkedMisspelled, WrongArgs, WrongTypes
 from dspark import PluginStatus, QuantSpec, TargetModel
-from dspark.drafting import collect_drafters
-from dspark.graph import Graph, Op, TensorSpec
-from dspark.inventory import probe
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.llm.speculative.offers import collect_drafters
+from dspark.graph.model import Graph, Op, TensorSpec
+from dspark.host.inventory import probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 
 
 def relu_graph() -> Graph:
@@ -181,7 +181,7 @@ def test_command_line_module_plugin() -> None:
 
 
 def test_trace_logs_every_call(capsys: pytest.CaptureFixture[str]) -> None:
-    from dspark import log
+    from dspark.host import log
 
     log.configure(json=True, level="INFO")
     try:

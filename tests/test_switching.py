@@ -6,13 +6,13 @@ import time
 
 import numpy as np
 
-from dspark import cache
-from dspark.demo import demo_graph
-from dspark.inventory import probe
-from dspark.placer import build_problem, collect_op_bids
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
-from dspark.switching import NAMESPACE, switch_matrix, switch_overhead
+from dspark.host import cache
+from dspark.cli.demo import demo_graph
+from dspark.host.inventory import probe
+from dspark.placement.placer import build_problem, collect_op_bids
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.placement.switching import NAMESPACE, switch_matrix, switch_overhead
 
 
 def test_switch_overhead_is_measured_cached_and_symmetric() -> None:

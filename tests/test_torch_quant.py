@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dspark import calibration
+from dspark.sdk import calibration
 from dspark.builtin import torch_quant, torch_ref
-from dspark.graph import Subgraph
-from dspark.quant import QuantizedWeight, linear_subgraph, quantize_weight, reference_linear
+from dspark.graph.model import Subgraph
+from dspark.sdk.quant import QuantizedWeight, linear_subgraph, quantize_weight, reference_linear
 from dspark.testing import compare, op_case
 from dspark.testing.conformance import MLP_CASE, reference_outputs
 from dspark.types import Bid, Device, QuantSpec, torch_runner

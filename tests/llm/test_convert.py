@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.llm.loader import CheckpointError
-from dspark.quantization.convert import (DEVICE_FILE, DRAFT_FILE, META_FILE, PLAN_FILE, WEIGHTS_FILE, ConvertError,
+from dspark.llm.runner.loader import CheckpointError
+from dspark.llm.quantization.convert import (DEVICE_FILE, DRAFT_FILE, META_FILE, PLAN_FILE, WEIGHTS_FILE, ConvertError,
                                          convert)
-from dspark.quantization.data import CalibrationDataError
+from dspark.llm.quantization.data import CalibrationDataError
 
 QUICK = {"method": "int8_mixed", "calibration_samples": 2, "calibration_seq_len": 32}
 
@@ -70,8 +70,8 @@ def test_convert_twice_is_byte_identical_and_loads(source: Path, tmp_path: Path)
 
     llm = LLM(str(a), dtype="float32", speculative_decoding={"strategy": "fixed", "draft_model": "auto"})
     assert llm.plan == plan
-    from dspark.quantization.fake import quantize_rows_int8
-    from dspark.llm.model import ModelRunner
+    from dspark.llm.quantization.fake import quantize_rows_int8
+    from dspark.llm.runner.model import ModelRunner
 
     want_q, want_s = quantize_rows_int8(ModelRunner.from_pretrained(str(source), "float32").embed)
     assert torch.equal(llm.runner.embed_q[0], want_q) and torch.allclose(llm.runner.embed_q[1], want_s, rtol=1e-6)

@@ -1,5 +1,5 @@
 """The runner's CPU fast paths against its plain torch path: the paged C attention kernel
-(dspark.llm.paged_attention) and the oneDNN-packed projections (dspark.llm.packed_linear)."""
+(dspark.llm.runner.paged_attention) and the oneDNN-packed projections (dspark.llm.runner.packed_linear)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from llm_testutil import random_prompts
 
-from dspark.llm import paged_attention
-from dspark.llm.model import ModelRunner, SeqChunk
-from dspark.llm.packed_linear import pack_runner, unavailable_reason
+from dspark.llm.runner import paged_attention
+from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.runner.packed_linear import pack_runner, unavailable_reason
 
 GREEDY_KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -213,7 +213,7 @@ def test_quantized_projections_keep_their_kernel_and_lose_their_copy(checkpoint:
 
 def test_row_buckets_bound_padding_and_shapes() -> None:
     """Rows are padded to few shapes (oneDNN compiles one primitive per shape), never by more than 25%."""
-    from dspark.llm.packed_linear import row_bucket
+    from dspark.llm.runner.packed_linear import row_bucket
 
     assert [row_bucket(m) for m in range(1, 10)] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     assert all(m <= row_bucket(m) <= 1.25 * m for m in range(1, 5000))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.llm.kv_cache import OutOfPages, PageAllocator, PagedKVCache
+from dspark.llm.runner.kv_cache import OutOfPages, PageAllocator, PagedKVCache
 
 
 def _cache(pages: int = 8, page: int = 4) -> PagedKVCache:

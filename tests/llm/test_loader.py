@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.llm import CheckpointError, load_checkpoint
-from dspark.llm.loader import load_config
+from dspark.llm.runner.loader import load_config
 
 from llm_testutil import VARIANTS
 

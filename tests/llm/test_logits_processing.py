@@ -21,7 +21,7 @@ from dspark.llm import LLM, GuidedSpec, SamplingParams, TokenLogprobs, default_m
 from dspark.llm.logits import process, token_logprobs
 from dspark.llm.sampling import distribution
 from dspark.llm.scheduler import ScheduledChunk, Sequence
-from dspark.llm.spec_verify import accept_processed, accept_sampling, clip_to_grammar, grammar_prefix
+from dspark.llm.speculative.verify import accept_processed, accept_sampling, clip_to_grammar, grammar_prefix
 
 PROMPTS = ["def hello(name):", "import os\n", "class Stack:\n    def push(self, x):"]
 EOS = 1

@@ -12,10 +12,10 @@ import yaml
 from llm_testutil import random_prompts
 
 from dspark.llm import SamplingParams
-from dspark.llm.loader import ModelConfig
+from dspark.llm.runner.loader import ModelConfig
 from dspark.llm.placement import place_layers
-from dspark.placer import MEMORY_HEADROOM
-from dspark.profile import profile_host
+from dspark.placement.placer import MEMORY_HEADROOM
+from dspark.placement.profile import profile_host
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # A ~1.3B Llama: 24 layers of ~50 MB in fp16 plus ~4 MB of KV each at 4096 tokens.
@@ -80,8 +80,8 @@ def test_small_gpu_splits_by_budget_and_more_memory_never_means_fewer_gpu_layers
 
 @pytest.fixture(scope="module")
 def real_host() -> tuple[Any, Any]:
-    from dspark.inventory import probe
-    from dspark.plugin_manager import PluginHost
+    from dspark.host.inventory import probe
+    from dspark.host.plugin_manager import PluginHost
 
     host = PluginHost().load()
     return host, probe(host)
@@ -111,7 +111,7 @@ def test_profile_devices_torch_cannot_drive_are_dropped(make_llm: Callable[..., 
 def test_runner_moves_state_between_layer_devices(checkpoint: Callable[[str], Path]) -> None:
     """The per-device path (weights, KV pages and the hidden state per layer), exercised with
     two spellings of the CPU, which torch treats as distinct devices."""
-    from dspark.llm.model import ModelRunner, SeqChunk
+    from dspark.llm.runner.model import ModelRunner, SeqChunk
 
     ref = ModelRunner.from_pretrained(str(checkpoint("llama_tied_mha")), "float32")
     moved = ModelRunner.from_pretrained(str(checkpoint("llama_tied_mha")), "float32")

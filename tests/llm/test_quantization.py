@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.llm.model import EMBED, HEAD, ModelRunner
-from dspark.quant import quantize_weight, dequantize
-from dspark.quantization.config import QuantizationConfig
-from dspark.quantization.data import CalibrationDataError, load_jsonl, spread_windows
-from dspark.quantization.evaluate import perplexity
-from dspark.quantization.fake import fake_activations, fake_weight
-from dspark.quantization.plan import QuantPlan
-from dspark.quantization.sensitivity import build_plan, matches
+from dspark.llm.runner.model import EMBED, HEAD, ModelRunner
+from dspark.sdk.quant import quantize_weight, dequantize
+from dspark.llm.quantization.config import QuantizationConfig
+from dspark.llm.quantization.data import CalibrationDataError, load_jsonl, spread_windows
+from dspark.llm.quantization.evaluate import perplexity
+from dspark.llm.quantization.fake import fake_activations, fake_weight
+from dspark.llm.quantization.plan import QuantPlan
+from dspark.llm.quantization.sensitivity import build_plan, matches
 from dspark.types import QuantSpec
 
 TINY = {"calibration_samples": 4, "calibration_seq_len": 32}
@@ -152,8 +152,8 @@ def test_outlier_inputs_keep_float_activations(checkpoint) -> None:
 
 @pytest.mark.parametrize("variant, scheme", [("llama", "int8"), ("llama_tied_mha", "int4"), ("qwen2", "int4")])
 def test_applied_kernels_match_fake_quantization(checkpoint, variant: str, scheme: str) -> None:
-    from dspark.quantization.apply import apply_plan
-    from dspark.quantization.data import calibration_windows
+    from dspark.llm.quantization.apply import apply_plan
+    from dspark.llm.quantization.data import calibration_windows
 
     path = checkpoint(variant)
     runner = ModelRunner.from_pretrained(str(path), "float32")

@@ -9,7 +9,7 @@ import pytest
 from llm_testutil import random_prompts
 
 from dspark.llm import EngineConfig, SamplingParams
-from dspark.llm.kv_cache import PagedKVCache
+from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.scheduler import Scheduler, Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -23,14 +23,14 @@ from scipy.stats import chisquare
 
 import dspark
 from dspark.llm import LLM, SamplingParams
-from dspark.llm.config import EngineConfig
+from dspark.llm.runner.config import EngineConfig
 from dspark.llm.sampling import distribution
-from dspark.llm.packed_linear import row_bucket
-from dspark.llm.spec_controller import RLS, Controller, Option, VerifyCost, padded_drafted, verify_x
-from dspark.llm.spec_predictor import PAIR, AcceptancePredictor, PairTable, along, features
-from dspark.llm.spec_verify import accept_greedy, accept_greedy_blocks, accept_sampling, head_rows, split
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.llm.runner.packed_linear import row_bucket
+from dspark.llm.speculative.controller import RLS, Controller, Option, VerifyCost, padded_drafted, verify_x
+from dspark.llm.speculative.predictor import PAIR, AcceptancePredictor, PairTable, along, features
+from dspark.llm.speculative.verify import accept_greedy, accept_greedy_blocks, accept_sampling, head_rows, split
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.builtin.ngram import PromptLookupDrafter
 from dspark.builtin.suffix import SuffixDrafter
 from dspark.types import Draft, DrafterSpec, DraftRequest, TargetModel
@@ -338,7 +338,7 @@ def test_end_to_end_sampling_matches_the_target_model(tmp_path: Path) -> None:
     resampling and the bonus token. Expected frequencies are exact, from the
     model's conditional distributions.
     """
-    from dspark.llm.model import ModelRunner, SeqChunk
+    from dspark.llm.runner.model import ModelRunner, SeqChunk
 
     tgt = make_small_vocab_checkpoint(tmp_path / "v8", vocab=8, seed=2)
     draft = make_draft_checkpoint(tgt, tmp_path / "v8-draft", noise=0.8)
@@ -614,7 +614,7 @@ def test_a_failing_drafter_is_reported_and_bypassed(how: str, spec_llm: Callable
 
 def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
     host = PluginHost(PluginSettings(autoload=False)).load()
-    from dspark.drafting import collect_drafters
+    from dspark.llm.speculative.offers import collect_drafters
 
     t = TargetModel(name=target4.name, path=str(target4), vocab_size=320, num_layers=4, hidden_size=64)
     offers = {o.name: o for o in collect_drafters(host, t)}

@@ -14,8 +14,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import dspark_plugins_cpu as plugin
-from dspark import TOLERANCES, cache
-from dspark.graph import Graph, Subgraph
+from dspark import TOLERANCES
+from dspark.host import cache
+from dspark.graph.model import Graph, Subgraph
 from dspark.testing import PluginConformance
 from dspark.types import Bid, Device
 from dspark_plugins_cpu import bench, runtime, support
@@ -255,9 +256,9 @@ def test_outputs_are_copies(device: Device) -> None:
 
 
 def test_plugin_manager_lists_cpu_plugin_active() -> None:
-    from dspark import inventory
-    from dspark.plugin_manager import PluginHost
-    from dspark.settings import PluginSettings
+    from dspark.host import inventory
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.host.settings import PluginSettings
 
     host = PluginHost(PluginSettings.from_env(env={})).load()
     inv = inventory.probe(host)

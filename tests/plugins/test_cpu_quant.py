@@ -1,6 +1,6 @@
 """The cpu plugin's quantized variants, run for real on OpenVINO's CPU plugin against the canonical reference.
 
-``dspark.quant.reference_linear`` (float64 over the canonical int8/int4
+``dspark.sdk.quant.reference_linear`` (float64 over the canonical int8/int4
 weights) is what a variant must compute within ``TOLERANCES`` of its
 precision. OpenVINO decompresses the exact canonical values in float32, so
 weight-only variants must match it to float32 rounding: that pins down the
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import dspark_plugins_cpu as plugin
-from dspark.graph import Subgraph
-from dspark.quant import linear_subgraph, quantize_weight, reference_linear
+from dspark.graph.model import Subgraph
+from dspark.sdk.quant import linear_subgraph, quantize_weight, reference_linear
 from dspark.testing import compare
 from dspark.types import Bid, Device, QuantSpec, torch_runner
 from dspark_plugins_cpu import quantize

@@ -14,10 +14,10 @@ import pynvml
 import pytest
 import torch
 
-from dspark.graph import Graph, Op, TensorSpec
-from dspark.inventory import probe
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark.graph.model import Graph, Op, TensorSpec
+from dspark.host.inventory import probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.types import TOLERANCES, Device, PluginStatus, Unavailable
 from dspark_plugins_cuda import bid as bid_mod
 from dspark_plugins_cuda import nvml, pcie, records
@@ -56,9 +56,9 @@ def test_no_driver_reports_no_hardware_with_nvml_reason() -> None:
 
 _PROBE_SCRIPT = """
 import json, sys, time
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
-from dspark.inventory import probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.host.inventory import probe
 t = time.perf_counter()
 host = PluginHost(PluginSettings.from_env(env={"DSPARK_PLUGINS": "cuda"})).load()
 inv = probe(host)

@@ -24,8 +24,8 @@ if not HAS_CUDA:
 import triton.language  # noqa: E402
 
 import dspark_plugins_cuda  # noqa: E402
-from dspark.graph import Graph, Op, TensorSpec  # noqa: E402
-from dspark.quant import linear_subgraph, quantize_weight, reference_linear  # noqa: E402
+from dspark.graph.model import Graph, Op, TensorSpec  # noqa: E402
+from dspark.sdk.quant import linear_subgraph, quantize_weight, reference_linear  # noqa: E402
 from dspark.testing.conformance import compare  # noqa: E402
 from dspark.types import Device, QuantSpec  # noqa: E402
 from dspark_plugins_cuda import records  # noqa: E402
@@ -355,9 +355,9 @@ def _median_us(fn, iters: int = 200) -> float:  # type: ignore[no-untyped-def]
 
 @needs_gpu
 def test_gpu_variants_through_the_plugin_host() -> None:
-    from dspark.inventory import probe
-    from dspark.plugin_manager import PluginHost
-    from dspark.settings import PluginSettings
+    from dspark.host.inventory import probe
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.host.settings import PluginSettings
 
     host = PluginHost(PluginSettings.from_env(env={})).load()
     device = next(d for d in probe(host).drivers() if d.plugin == "cuda")

@@ -16,10 +16,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import dspark_plugins_npu as npu
-from dspark import TOLERANCES, Bid, Device, Unavailable, inventory
-from dspark.graph import Graph, Subgraph
-from dspark.plugin_manager import PluginHost
-from dspark.settings import PluginSettings
+from dspark import TOLERANCES, Bid, Device, Unavailable
+from dspark.host import inventory
+from dspark.graph.model import Graph, Subgraph
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
 from dspark.testing import PluginConformance
 from dspark_plugins_npu import bench, bidding, models, providers, session
 
@@ -73,7 +74,7 @@ def test_probe_reports_cpu_ep_with_measured_figures(cpu: Device) -> None:
     assert props["ort_version"] == ort.__version__
     assert props["ort_device"] == ort.get_device()
     assert props["available_providers"] == ort.get_available_providers()
-    from dspark import hostinfo
+    from dspark.host import hostinfo
 
     assert cpu.name == hostinfo.cpu_static()["model"]  # same silicon name as the other CPU plugins
 

@@ -1,6 +1,6 @@
 """The npu plugin's quantized variants, run for real on ONNX Runtime's CPU EP against the canonical reference.
 
-``dspark.quant.reference_linear`` (float64 over the canonical int8/int4
+``dspark.sdk.quant.reference_linear`` (float64 over the canonical int8/int4
 weights) is what every variant must compute, within ``TOLERANCES`` of its
 precision; a format given its exact settings must match it to float32
 rounding, which pins down the packing.
@@ -16,8 +16,8 @@ from onnx import TensorProto, helper
 
 import dspark_plugins_npu as npu
 from dspark import Device, Unavailable
-from dspark.graph import Graph, Subgraph
-from dspark.quant import linear_subgraph, quantize_weight, reference_linear
+from dspark.graph.model import Graph, Subgraph
+from dspark.sdk.quant import linear_subgraph, quantize_weight, reference_linear
 from dspark.testing import compare, op_case
 from dspark.types import QuantSpec
 from dspark_plugins_npu import models, quantize, session

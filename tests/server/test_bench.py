@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dspark.server.bench import BenchRequest, LoadConfig, default_workload, disconnect_plan, run
-from dspark.server.bench_stats import Dist
+from dspark.server.loadgen.bench import BenchRequest, LoadConfig, default_workload, disconnect_plan, run
+from dspark.server.loadgen.stats import Dist
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXACT = {"ignore_eos": True}  # every request yields exactly its max_tokens

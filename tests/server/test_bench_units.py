@@ -13,9 +13,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from dspark.llm.api import default_model_path
-from dspark.server.bench import (BenchRequest, LoadConfig, default_workload, disconnect_plan, load_dataset)
-from dspark.server.bench_stats import Dist, RequestResult, meets_slo, percentile, summarize
-from dspark.server.bench_sweep import SweepRow, parse_sweep, plot, server_command, write_csv
+from dspark.server.loadgen.bench import (BenchRequest, LoadConfig, default_workload, disconnect_plan, load_dataset)
+from dspark.server.loadgen.stats import Dist, RequestResult, meets_slo, percentile, summarize
+from dspark.server.loadgen.sweep import SweepRow, parse_sweep, plot, server_command, write_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -212,7 +212,7 @@ def test_client_parses_streams_and_classifies_failures() -> None:
 
     import httpx
 
-    from dspark.server.bench import run_load
+    from dspark.server.loadgen.bench import run_load
 
     def handler(request: httpx.Request) -> httpx.Response:
         status, body = CANNED[json.loads(request.content)["prompt"]]
@@ -239,7 +239,7 @@ def test_client_parses_streams_and_classifies_failures() -> None:
 def test_report_tables_render(slo: tuple[float | None, float | None]) -> None:
     from rich.console import Console
 
-    from dspark.server.bench_report import latency_table, summary_table
+    from dspark.server.loadgen.report import latency_table, summary_table
 
     results = [_ok(0, 0.1, 0.5, 5), RequestResult(index=1, max_tokens=3, error="http_503", detail="busy"),
                RequestResult(index=2, max_tokens=3, disconnected=True)]

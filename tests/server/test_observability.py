@@ -158,7 +158,7 @@ def test_stats_line(observed_server: Any) -> None:
 @pytest.fixture
 def logs() -> Any:
     """Every structlog event at any level, as dicts (the default level, WARNING, would drop INFO)."""
-    from dspark import log
+    from dspark.host import log
 
     log.configure(level="DEBUG")
     try:

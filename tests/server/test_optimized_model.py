@@ -12,7 +12,7 @@ from dspark.llm import default_model_path
 
 
 def test_serves_a_converted_model(tmp_path: Path) -> None:
-    from dspark.quantization.convert import PLAN_FILE, convert
+    from dspark.llm.quantization.convert import PLAN_FILE, convert
 
     out = tmp_path / "stdlib-llama-int8"
     plan = convert(default_model_path(), out, quantization={

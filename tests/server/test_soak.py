@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from dspark.server.bench import BenchRequest, LoadConfig, default_workload, disconnect_plan, run
+from dspark.server.loadgen.bench import BenchRequest, LoadConfig, default_workload, disconnect_plan, run
 
 N, CONCURRENCY, DISCONNECT = 2000, 64, 0.2
 REGEX = r"[a-z_]{1,12}( [a-z_]{1,12}){0,40}"

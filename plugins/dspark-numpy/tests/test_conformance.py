@@ -11,7 +11,7 @@ def test_ops_of_a_real_model_match_the_reference() -> None:
     """Every op of the bundled transformer block this plugin bids on, fed real activations."""
     import numpy as np
 
-    from dspark.demo import demo_graph
+    from dspark.cli.demo import demo_graph
     from dspark.testing import check_plugin, model_op_cases
 
     graph = demo_graph()

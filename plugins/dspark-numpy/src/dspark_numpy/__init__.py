@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from dspark import cache, calibration, hookimpl, hostinfo
-from dspark.cost import time_call
-from dspark.graph import Op, Subgraph
+from dspark import hookimpl
+from dspark.sdk import cache, calibration, hostinfo
+from dspark.sdk.cost import time_call
+from dspark.graph.model import Op, Subgraph
 from dspark.types import Bid, Device
 
 __version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""``python -m dspark.cli``."""
+
+from dspark.cli.main import main
+
+main()

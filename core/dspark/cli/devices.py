@@ -1,0 +1,87 @@
+"""``dspark devices`` and ``dspark demo``: what the plugins found, and the demo model on each target."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from dspark.cli.app import JsonOpt, PluginOpt, _fmt_bytes, _fmt_rate, app, err, host_from_cli, out
+
+
+@app.command()
+def devices(
+    as_json: JsonOpt = False,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Re-run cached microbenchmarks.")] = False,
+    plugin: PluginOpt = None,
+) -> None:
+    """List every device, the plugins/runtimes that drive it, and every plugin's status."""
+    from dspark.host.inventory import probe
+
+    host = host_from_cli(plugin)
+    if sys.stderr.isatty() and not as_json:
+        with err.status("probing devices..."):
+            inv = probe(host, refresh=refresh)
+    else:
+        inv = probe(host, refresh=refresh)
+    if as_json:
+        print(json.dumps(inv.to_json_dict(), indent=2))
+        return
+    table = Table(title="Devices", title_justify="left")
+    for col in ("id", "kind", "name", "memory free/total", "peak compute", "mem bw", "host link",
+                "dtypes", "driven by (plugin: runtime)"):
+        table.add_column(col, overflow="fold")
+    for d in inv.devices:
+        flops = ", ".join(f"{k.replace('float', 'f').replace('bfloat', 'bf')} {_fmt_rate(v, 'FLOP/s')}"
+                          for k, v in sorted(d.peak_flops.items(), key=lambda kv: -kv[1]))
+        table.add_row(
+            d.id, d.kind, d.name,
+            f"{_fmt_bytes(d.memory_free_bytes)} / {_fmt_bytes(d.memory_total_bytes)}",
+            flops or "-", _fmt_rate(d.memory_bandwidth_bytes_per_s, "B/s"),
+            _fmt_rate(d.host_link_bandwidth_bytes_per_s, "B/s"), " ".join(d.dtypes),
+            "\n".join(f"{drv.plugin}: {drv.runtime}" for drv in d.drivers),
+        )
+    out.print(table)
+    ptable = Table(title="Plugins", title_justify="left")
+    for col in ("name", "version", "source", "status", "devices", "reason / unavailable"):
+        ptable.add_column(col, overflow="fold")
+    colors = {"active": "green", "no hardware": "yellow", "failed": "red", "blocked": "dim"}
+    for p in inv.plugins:
+        ptable.add_row(p.name, p.version, p.source, f"[{colors[p.status.value]}]{p.status.value}[/]",
+                       " ".join(p.devices) or "-",
+                       "\n".join([p.reason] * bool(p.reason) + [f"{u.what}: {u.reason}" for u in p.unavailable if u.reason not in p.reason]))
+    out.print(ptable)
+
+
+@app.command()
+def demo(as_json: JsonOpt = False, plugin: PluginOpt = None,
+         repeat: Annotated[int, typer.Option(help="Timed runs per target.")] = 20) -> None:
+    """Run the bundled demo model (a transformer block) on every device/runtime that bids for it."""
+    from dspark.cli.demo import run_demo
+    from dspark.host.inventory import probe
+
+    host = host_from_cli(plugin)
+    if sys.stderr.isatty() and not as_json:
+        with err.status("probing devices, compiling and timing the demo model..."):
+            rows = run_demo(host, probe(host), repeat=repeat)
+    else:
+        rows = run_demo(host, probe(host), repeat=repeat)
+    if as_json:
+        print(json.dumps({"model": "demo_block", "targets": [r.model_dump() for r in rows]}, indent=2))
+        return
+    table = Table(title="Demo model (pre-norm transformer block, 1x32x64) on each target", title_justify="left")
+    for col in ("device", "plugin", "runtime", "predicted ms", "measured ms (median)", "precision",
+                "max |err| vs torch", "ok", "note"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r.device, r.plugin, r.runtime,
+                      "-" if r.predicted_ms is None else f"{r.predicted_ms:.3f}",
+                      "-" if r.measured_ms is None else f"{r.measured_ms:.3f}",
+                      r.precision or "-", "-" if r.max_abs_err is None else f"{r.max_abs_err:.2e}",
+                      "[green]yes[/]" if r.ok else ("-" if r.measured_ms is None else "[red]NO[/]"), r.note)
+    out.print(table)
+    if any(r.measured_ms is not None and not r.ok for r in rows):
+        raise typer.Exit(1)

@@ -1,0 +1,278 @@
+"""The graph data model the hooks receive.
+
+Ops use ONNX operator semantics (``op_type`` + ``domain``, opset in
+``Graph.opset``): two of the three built-in runtimes consume ONNX directly and
+OpenVINO reads it natively, so a subgraph can be handed to any of them as an
+ONNX model (:meth:`Subgraph.to_onnx`). Importers from torch and ONNX files
+fill this model; a subgraph is a set of op names over one graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dspark.types import DType
+
+if TYPE_CHECKING:
+    import onnx
+
+Dim = int | str  # a str is a symbolic dimension, e.g. "batch"
+
+_NP_DTYPES: dict[str, Any] = {
+    "float64": np.float64, "float32": np.float32, "float16": np.float16,
+    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8,
+    "uint8": np.uint8, "bool": np.bool_,
+}
+_ITEMSIZE: dict[str, float] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "int4": 0.5, "uint4": 0.5, "bool": 1,
+}
+
+
+def numpy_dtype(dtype: str) -> Any:
+    """The numpy dtype for a dspark dtype name (KeyError for bfloat16/int4)."""
+    return _NP_DTYPES[dtype]
+
+
+def dtype_of(array: np.ndarray) -> DType:
+    for name, np_dtype in _NP_DTYPES.items():
+        if array.dtype == np_dtype:
+            return name  # type: ignore[return-value]
+    raise ValueError(f"unsupported numpy dtype {array.dtype}")
+
+
+class TensorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    dtype: DType
+    shape: tuple[Dim, ...]
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+    def numel(self, bindings: dict[str, int] | None = None) -> int | None:
+        """Element count, resolving symbolic dims from ``bindings``; None if unresolved."""
+        n = 1
+        for d in self.shape:
+            if isinstance(d, str):
+                if not bindings or d not in bindings:
+                    return None
+                d = bindings[d]
+            n *= d
+        return n
+
+    def nbytes(self, bindings: dict[str, int] | None = None) -> int | None:
+        n = self.numel(bindings)
+        return None if n is None else int(np.ceil(n * _ITEMSIZE[self.dtype]))
+
+
+class Op(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Unique node name in the graph.")
+    op_type: str = Field(description="ONNX operator type, e.g. 'MatMul'.")
+    domain: str = Field("", description="ONNX domain; '' is the default ai.onnx domain.")
+    inputs: list[str] = Field(description="Tensor names; '' for an omitted optional input.")
+    outputs: list[str]
+    attrs: dict[str, Any] = Field(default_factory=dict)
+    flops: float | None = Field(None, description="Arithmetic operations of one run, when known.")
+    bytes_read: int | None = None
+    bytes_written: int | None = None
+    param_bytes: int = 0
+
+
+class Graph(BaseModel):
+    """A model's compute graph: ops in topological order plus tensor metadata."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    name: str = "graph"
+    opset: int = 17
+    ops: list[Op]
+    tensors: dict[str, TensorSpec]
+    inputs: list[str]
+    outputs: list[str]
+    initializers: dict[str, np.ndarray] = Field(default_factory=dict)
+    dim_hints: dict[str, int] = Field(
+        default_factory=dict, description="Representative sizes of symbolic dims, for cost estimates."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Graph:
+        names = set()
+        produced = set(self.inputs) | set(self.initializers)
+        for op in self.ops:
+            if op.name in names:
+                raise ValueError(f"duplicate op name {op.name!r}")
+            names.add(op.name)
+            for t in op.inputs:
+                if t and t not in produced:
+                    raise ValueError(
+                        f"op {op.name!r} ({op.op_type}) reads tensor {t!r} that no earlier op, "
+                        "graph input or initializer produces (ops must be in topological order)"
+                    )
+            produced.update(o for o in op.outputs if o)
+        for t in self.outputs:
+            if t not in produced:
+                raise ValueError(f"graph output {t!r} is never produced")
+        return self
+
+    def op(self, name: str) -> Op:
+        try:
+            return self._ops_by_name[name]
+        except KeyError:
+            raise KeyError(f"graph {self.name!r} has no op {name!r}") from None
+
+    @cached_property
+    def _ops_by_name(self) -> dict[str, Op]:
+        return {op.name: op for op in self.ops}
+
+    @cached_property
+    def producers(self) -> dict[str, str]:
+        """Tensor name -> name of the op that produces it."""
+        return {t: op.name for op in self.ops for t in op.outputs if t}
+
+    @cached_property
+    def consumers(self) -> dict[str, list[str]]:
+        """Tensor name -> names of the ops that read it."""
+        out: dict[str, list[str]] = {}
+        for op in self.ops:
+            for t in op.inputs:
+                if t:
+                    out.setdefault(t, []).append(op.name)
+        return out
+
+    def edges(self) -> list[tuple[str, str, str]]:
+        """Dependency edges as (producer op, consumer op, tensor)."""
+        prod = self.producers
+        return [
+            (prod[t], op.name, t) for op in self.ops for t in op.inputs if t and t in prod
+        ]
+
+    def subgraph(self, op_names: list[str] | None = None) -> Subgraph:
+        return Subgraph(graph=self, op_names=op_names if op_names is not None else [o.name for o in self.ops])
+
+    @classmethod
+    def from_onnx(cls, model: onnx.ModelProto | str | bytes, name: str | None = None) -> Graph:
+        from dspark.graph.onnx_io import graph_from_onnx
+
+        return graph_from_onnx(model, name=name)
+
+
+class Subgraph(BaseModel):
+    """A set of ops of one graph, the unit plugins bid on and compile."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    graph: Graph
+    op_names: list[str] = Field(min_length=1)
+    # Set when a plugin's dspark_quantize produced this variant: who made it,
+    # with which spec, and the plugin-private payload (e.g. packed weights).
+    quantized_by: str | None = None
+    quant_spec: Any = None
+    payload: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Subgraph:
+        for n in self.op_names:
+            self.graph.op(n)
+        if len(set(self.op_names)) != len(self.op_names):
+            raise ValueError("subgraph lists an op twice")
+        return self
+
+    @cached_property
+    def ops(self) -> list[Op]:
+        """The ops, in the graph's topological order."""
+        chosen = set(self.op_names)
+        return [op for op in self.graph.ops if op.name in chosen]
+
+    @cached_property
+    def _produced(self) -> set[str]:
+        return {t for op in self.ops for t in op.outputs if t}
+
+    @cached_property
+    def inputs(self) -> list[str]:
+        """Activation tensors read from outside the subgraph (graph inputs or other ops)."""
+        seen: list[str] = []
+        for op in self.ops:
+            for t in op.inputs:
+                if t and t not in self._produced and t not in self.graph.initializers and t not in seen:
+                    seen.append(t)
+        return seen
+
+    @cached_property
+    def params(self) -> list[str]:
+        """Initializers (weights, constants) the subgraph reads."""
+        seen: list[str] = []
+        for op in self.ops:
+            for t in op.inputs:
+                if t in self.graph.initializers and t not in seen:
+                    seen.append(t)
+        return seen
+
+    @cached_property
+    def outputs(self) -> list[str]:
+        """Tensors produced here that the rest of the graph or the caller needs."""
+        chosen = set(self.op_names)
+        outs: list[str] = []
+        for op in self.ops:
+            for t in op.outputs:
+                if not t:
+                    continue
+                external = any(c not in chosen for c in self.graph.consumers.get(t, []))
+                if external or t in self.graph.outputs:
+                    outs.append(t)
+        return outs
+
+    @property
+    def flops(self) -> float:
+        return float(sum(op.flops or 0.0 for op in self.ops))
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(int(self.graph.initializers[p].nbytes) for p in self.params)
+
+    def io_bytes(self, bindings: dict[str, int] | None = None) -> int:
+        """Bytes of activations crossing the subgraph boundary (inputs + outputs)."""
+        bindings = self.graph.dim_hints if bindings is None else bindings
+        total = 0
+        for t in self.inputs + self.outputs:
+            spec = self.graph.tensors.get(t)
+            n = spec.nbytes(bindings) if spec else None
+            total += n or 0
+        return total
+
+    def signature(self) -> str:
+        """A stable key for caches: op types, attributes, shapes and dtypes, not names or values."""
+        rename: dict[str, str] = {}
+
+        def key(t: str) -> Any:
+            if not t:
+                return None
+            spec = self.graph.tensors.get(t)
+            desc = [spec.dtype, list(spec.shape)] if spec else None
+            if t not in rename:
+                rename[t] = f"t{len(rename)}"
+            return [rename[t], desc, t in self.graph.initializers]
+
+        body = [
+            [op.domain, op.op_type, sorted(op.attrs.items()), [key(t) for t in op.inputs], [key(t) for t in op.outputs]]
+            for op in self.ops
+        ]
+        extra = [self.quantized_by, repr(self.quant_spec)] if self.quantized_by else []
+        blob = json.dumps([self.graph.opset, body, extra], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_onnx(self, *, dynamic: bool = False) -> onnx.ModelProto:
+        """This subgraph as a standalone ONNX model (inputs, weights as initializers, outputs)."""
+        from dspark.graph.onnx_io import subgraph_to_onnx
+
+        return subgraph_to_onnx(self, dynamic=dynamic)

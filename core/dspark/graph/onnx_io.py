@@ -1,0 +1,285 @@
+"""Conversion between ONNX models and :class:`dspark.graph.model.Graph`."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, inliner, numpy_helper, shape_inference
+
+from dspark.graph.flops import annotate_costs
+from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
+from dspark.types import DType
+
+_ONNX_TO_DTYPE: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.INT4: "int4", onnx.TensorProto.UINT4: "uint4",
+}
+_DTYPE_TO_ONNX = {v: k for k, v in _ONNX_TO_DTYPE.items()}
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses something dspark cannot represent; the message names it."""
+
+
+def _spec_from_value_info(vi: onnx.ValueInfoProto) -> TensorSpec | None:
+    tt = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or tt.elem_type not in _ONNX_TO_DTYPE:
+        return None
+    dims: list[int | str] = []
+    for i, d in enumerate(tt.shape.dim):
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(d.dim_param or f"{vi.name}_dim{i}")
+    return TensorSpec(name=vi.name, dtype=_ONNX_TO_DTYPE[tt.elem_type], shape=tuple(dims))
+
+
+def _attr_value(attr: onnx.AttributeProto) -> Any:
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode() for v in value]
+    return value
+
+
+# Op domains a model loaded for analysis may use: standard ONNX, ONNX-ML, and
+# ONNX Runtime's contrib ops (which the ONNX Runtime plugin runs). Anything
+# else is a vendor's custom op no built-in runtime implements.
+KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def _check_node(node: onnx.NodeProto, node_name: str, source: str, domains: Collection[str] | None) -> None:
+    subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    if subgraph or (node.domain in ("", "ai.onnx") and node.op_type in _CONTROL_FLOW):
+        raise UnsupportedModelError(
+            f"{source}: op {node.op_type!r} (node {node_name!r}) is control flow with a subgraph; "
+            "dspark analyses straight-line graphs only (export with static control flow)"
+        )
+    if domains is not None and node.domain not in domains:
+        raise UnsupportedModelError(
+            f"{source}: op {node.op_type!r} (node {node_name!r}) is from unknown custom domain "
+            f"{node.domain!r}; supported domains: {sorted(domains)}"
+        )
+
+
+_DIM_EXPR = re.compile(r"^[A-Za-z0-9_ +\-*/%(),]+$")
+
+
+def _eval_dim(expr: str, hints: dict[str, int]) -> int | None:
+    """Value of a symbolic dim expression like ``2*batch`` or ``floor(seq/2)``; None if unknown.
+
+    Parsed with ``ast`` (no eval): dim strings come from model files.
+    """
+    if not _DIM_EXPR.match(expr):
+        return None
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return None
+    # The names sympy prints in torch's dim expressions.
+    funcs: dict[str, Callable[..., float]] = {
+        "floor": math.floor, "ceiling": math.ceil, "ceil": math.ceil, "Max": max, "Min": min,
+        "max": max, "min": min, "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b,
+    }
+    binops: dict[type[ast.operator], Callable[[float, float], float]] = {
+        ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    }
+
+    def ev(n: ast.AST) -> float:
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)):
+            return float(n.value)
+        if isinstance(n, ast.Name):
+            return hints[n.id]
+        if isinstance(n, ast.BinOp) and type(n.op) in binops:
+            return binops[type(n.op)](ev(n.left), ev(n.right))
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in funcs and not n.keywords:
+            return funcs[n.func.id](*(ev(a) for a in n.args))
+        raise ValueError(expr)
+
+    try:
+        value = ev(tree)
+    except (KeyError, ValueError, ZeroDivisionError, TypeError):
+        return None
+    return int(value) if float(value).is_integer() else None
+
+
+def derive_dim_hints(tensors: dict[str, TensorSpec], hints: dict[str, int]) -> dict[str, int]:
+    """``hints`` plus sizes of dims that are expressions of hinted dims (``batch*seq``)."""
+    out = dict(hints)
+    for spec in tensors.values():
+        for d in spec.shape:
+            if isinstance(d, str) and d not in out:
+                value = _eval_dim(d, out)
+                if value is not None:
+                    out[d] = value
+    return out
+
+
+def graph_from_onnx(
+    model: onnx.ModelProto | str | bytes | Path,
+    name: str | None = None,
+    dim_hints: dict[str, int] | None = None,
+    domains: Collection[str] | None = None,
+) -> Graph:
+    """Import an ONNX model, with shapes from ONNX shape inference.
+
+    ``dim_hints`` gives representative sizes of symbolic dims; costs are
+    annotated with them (and with dims derived from them, e.g. ``2*batch``).
+    Control flow (ops with subgraphs) is always rejected; ops of a domain
+    outside ``domains`` are too when it is given (model loading passes
+    :data:`KNOWN_DOMAINS`; tests build custom-op graphs without it).
+    """
+    source = "<bytes>"
+    if isinstance(model, (str, Path)):
+        source = str(model)
+        if not Path(model).is_file():
+            raise FileNotFoundError(f"ONNX model file not found: {model}")
+        try:
+            model = onnx.load(str(model))
+        except Exception as exc:  # protobuf's DecodeError says nothing about the file
+            raise UnsupportedModelError(f"{source}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
+    elif isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    else:
+        source = model.graph.name or "<model>"
+    if model.functions:  # exporters emit model-local functions; dspark sees their bodies
+        model = inliner.inline_local_functions(model)
+    for i, node in enumerate(model.graph.node):
+        _check_node(node, node.name or f"{node.op_type}_{i}", source, domains)
+    g = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    tensors: dict[str, TensorSpec] = {}
+    for vi in _inferred_value_infos(model):
+        spec = _spec_from_value_info(vi)
+        if spec:
+            tensors[vi.name] = spec
+    hints = derive_dim_hints(tensors, dict(dim_hints or {}))
+    hints.update(_hints_from_static_pass(model, tensors, hints))
+    for tname, arr in inits.items():
+        try:
+            tensors[tname] = TensorSpec(name=tname, dtype=_np_name(arr), shape=tuple(arr.shape))
+        except ValueError as exc:
+            raise UnsupportedModelError(f"{source}: initializer {tname!r}: {exc}") from None
+    ops = []
+    used: set[str] = set()
+    for i, node in enumerate(g.node):
+        node_name = node.name or f"{node.op_type}_{i}"
+        while node_name in used:  # ONNX does not require unique node names; Graph does
+            node_name = f"{node_name}_{i}"
+        used.add(node_name)
+        attrs = {a.name: _attr_value(a) for a in node.attribute}
+        ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain,
+                      inputs=list(node.input), outputs=list(node.output), attrs=attrs))
+    inputs = [i.name for i in g.input if i.name not in inits]
+    graph = Graph(name=name or g.name or Path(source).stem, opset=opset, ops=ops, tensors=tensors,
+                  inputs=inputs, outputs=[o.name for o in g.output], initializers=inits,
+                  dim_hints=hints)
+    annotate_costs(graph)
+    return graph
+
+
+def _inferred_value_infos(
+    model: onnx.ModelProto, fixed: dict[str, int] | None = None
+) -> list[onnx.ValueInfoProto]:
+    """Inputs, outputs and intermediate value infos after ONNX shape inference (best effort).
+
+    Inference runs on a skeleton whose large weights are declared inputs, so
+    it does not serialize the weights; ``data_prop`` follows Shape -> Concat
+    -> Reshape chains. ``fixed`` pins symbolic input dims to sizes.
+    """
+    g = model.graph
+    declared = {vi.name for vi in g.input}
+    small: list[onnx.TensorProto] = []
+    big: list[onnx.TensorProto] = []
+    for t in g.initializer:
+        (big if int(np.prod(t.dims)) > 1024 and t.name not in declared else small).append(t)
+    inputs = [onnx.ValueInfoProto() for _ in g.input]
+    for vi, src in zip(inputs, g.input, strict=True):
+        vi.CopyFrom(src)
+        for d in vi.type.tensor_type.shape.dim:
+            if fixed and d.HasField("dim_param") and d.dim_param in fixed:
+                d.dim_value = fixed[d.dim_param]
+    inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
+    skeleton = helper.make_model(
+        helper.make_graph(list(g.node), g.name, inputs, list(g.output), initializer=small,
+                          value_info=[] if fixed else list(g.value_info)),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version or onnx.IR_VERSION,
+    )
+    try:
+        skeleton = shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+    except Exception as exc:  # inference is best effort: keep what the file declares
+        del exc
+    sg = skeleton.graph
+    return list(sg.input)[: len(g.input)] + list(sg.value_info) + list(sg.output)
+
+
+def _hints_from_static_pass(model: onnx.ModelProto, tensors: dict[str, TensorSpec],
+                            hints: dict[str, int]) -> dict[str, int]:
+    """Sizes of dims inference could not name (``unk__7``), from a second pass with inputs pinned to the hints."""
+    unresolved = {d for spec in tensors.values() for d in spec.shape if isinstance(d, str) and d not in hints}
+    if not unresolved or not hints:
+        return {}
+    extra: dict[str, int] = {}
+    for vi in _inferred_value_infos(model, fixed=hints):
+        spec = tensors.get(vi.name)
+        dims = vi.type.tensor_type.shape.dim
+        if spec is None or len(dims) != len(spec.shape):
+            continue
+        for sym, d in zip(spec.shape, dims, strict=True):
+            if isinstance(sym, str) and sym in unresolved and d.HasField("dim_value"):
+                extra.setdefault(sym, int(d.dim_value))
+    return extra
+
+
+def _np_name(arr: np.ndarray) -> DType:
+    from dspark.graph.model import dtype_of
+
+    return dtype_of(arr)
+
+
+def _value_info(spec: TensorSpec, dynamic: bool) -> onnx.ValueInfoProto:
+    shape = [d if isinstance(d, int) and not dynamic else (d if isinstance(d, str) else None) for d in spec.shape]
+    return helper.make_tensor_value_info(spec.name, _DTYPE_TO_ONNX[spec.dtype], shape)
+
+
+def subgraph_to_onnx(sg: Subgraph, *, dynamic: bool = False) -> onnx.ModelProto:
+    g = sg.graph
+    nodes = []
+    for op in sg.ops:
+        attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
+                 for k, v in op.attrs.items()}
+        nodes.append(helper.make_node(op.op_type, op.inputs, op.outputs, name=op.name, domain=op.domain, **attrs))
+    missing = [t for t in sg.inputs + sg.outputs if t not in g.tensors]
+    if missing:
+        raise UnsupportedModelError(f"subgraph of {g.name!r}: no shape/dtype known for tensors {missing}")
+    graph = helper.make_graph(
+        nodes,
+        f"{g.name}_sub",
+        [_value_info(g.tensors[t], dynamic) for t in sg.inputs],
+        [_value_info(g.tensors[t], dynamic) for t in sg.outputs],
+        initializer=[numpy_helper.from_array(g.initializers[p], p) for p in sg.params],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="dspark")
+    model.ir_version = min(model.ir_version, 9)  # readable by every runtime we drive
+    return model

@@ -1,0 +1,183 @@
+"""The dspark plugin contract (API version 1.3).
+
+A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
+marker and whose names are the hooks below. It declares the API version it
+was written against as ``DSPARK_API_VERSION = "1.3"``; the core accepts the
+same major version with a minor version not newer than its own (a "1.0"
+plugin keeps working).
+
+How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
+implementation on its own, in a worker thread with a timeout, so that one
+plugin cannot break the others: a plugin that raises, returns something that
+does not validate, or does not return in time is reported (``dspark devices``
+shows status ``failed`` and the reason), left out of every later call, and the
+run goes on. Returning ``None`` always means "abstain". Setting
+``DSPARK_TRACE=1`` logs every call with its plugin, duration and outcome.
+
+Device-scoped hooks (``dspark_bid``, ``dspark_compile``, ``dspark_quantize``)
+are only ever called with a :class:`~dspark.types.Device` that the same plugin
+returned from its own ``dspark_probe_devices``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from dspark.graph.model import Subgraph
+    from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
+
+PROJECT = "dspark"
+API_VERSION = "1.3"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable] | None:
+    """Report the devices this plugin can drive, with their capabilities.
+
+    When: once per inventory (``dspark devices``, before planning, and again
+    when the placer re-plans because load changed), for every plugin that is
+    not blocked or failed.
+
+    :param refresh: True when the user asked to re-measure (``dspark devices
+        --refresh``): drop cached microbenchmark results and measure again.
+        False means cached measurements may be used; live figures (free
+        memory, utilization) must always be current.
+
+    Return a list of :class:`~dspark.types.Device`, one per (physical device,
+    runtime) the plugin drives, plus an :class:`~dspark.types.Unavailable`
+    (what, reason) for each device or runtime it found but cannot drive (an
+    execution provider without its driver): these are listed under the
+    plugin, never skipped silently. ``Device.id`` names the physical device
+    (``cpu``, ``cuda:0``, ``npu:0``) so the same silicon driven by several
+    plugins is merged in the inventory. Raise
+    :class:`~dspark.types.HardwareUnavailable` with a reason when the hardware
+    is absent (status ``no hardware``); an empty list is treated the same way.
+
+    Combining: all plugins are called; their lists are concatenated and merged
+    by device id. This must be fast (``dspark devices`` starts in under 1.5 s):
+    import heavy runtimes only here, never at module import, and cache
+    microbenchmarks on disk (:mod:`dspark.host.cache`).
+    """
+
+
+@hookspec
+def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
+    """Offer to run ``subgraph`` on ``device``, with the predicted cost.
+
+    When: during planning, for each candidate subgraph (single ops and
+    connected runs of ops) and each device the plugin reported.
+
+    :param subgraph: the ops to run; may be a quantized variant this plugin
+        produced with ``dspark_quantize`` (``subgraph.quantized_by`` is then
+        the plugin's name). Shapes may contain symbolic dims.
+    :param device: one of the plugin's own devices.
+
+    Return a :class:`~dspark.types.Bid` (predicted latency of one run, peak
+    device memory, the precision it computes in), or ``None`` to abstain
+    because the runtime cannot run some op of the subgraph. A bid is a
+    promise: ``dspark_compile`` must then succeed for the same arguments, and
+    the outputs must match the fp32 reference within the tolerance of the
+    stated precision (:data:`dspark.types.TOLERANCES`).
+
+    Combining: all plugins are called; every bid is kept and the placer picks
+    the cheapest assignment, counting transfers between devices. Start from
+    :func:`dspark.sdk.cost.roofline` and refine it by timing the real subgraph
+    (cached per ``subgraph.signature()`` and device).
+    """
+
+
+@hookspec
+def dspark_compile(subgraph: Subgraph, device: Device) -> Executable | None:
+    """Compile ``subgraph`` for ``device`` and return something that runs it.
+
+    When: after planning, once per partition this plugin won, and by the
+    conformance kit. Only the winning plugin is called.
+
+    :param subgraph: the partition, as bid on (possibly a quantized variant).
+    :param device: one of the plugin's own devices.
+
+    Return an :class:`~dspark.types.Executable`: ``run(inputs)`` takes a dict
+    of host numpy arrays keyed by ``subgraph.inputs`` and returns a dict keyed
+    by ``subgraph.outputs``. Weights are ``subgraph.graph.initializers``.
+    ``None`` means the plugin cannot compile it after all, which is reported
+    as a broken promise (the bid was wrong).
+
+    Combining: only the owner of the winning bid is called.
+    """
+
+
+@hookspec
+def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
+    """Produce a quantized variant of ``subgraph`` for ``device``.
+
+    When: during planning with quantization enabled, for subgraphs whose
+    weights the quantization plan allows to be lowered to ``spec``.
+
+    :param subgraph: the float subgraph (weights in ``graph.initializers``).
+    :param device: one of the plugin's own devices.
+    :param spec: weight bits (8 or 4), per-channel or group-wise with group
+        size, symmetric or not, and whether activations are quantized
+        dynamically.
+
+    Return a new :class:`~dspark.graph.model.Subgraph` over the same ops with
+    ``quantized_by`` set to the plugin's name, ``quant_spec`` to ``spec`` and
+    ``payload`` holding whatever the plugin's kernels need (weights repacked
+    into the layout its kernels read). The core then asks the same plugin to
+    ``dspark_bid`` and ``dspark_compile`` the variant, so precision and
+    placement are chosen together. ``None`` means the plugin has no kernel for
+    this spec on this device.
+
+    The LLM engine calls this once per projection it quantizes, with
+    :func:`dspark.sdk.quant.linear_subgraph` (one MatMul ``x[tokens, K] @ W[K, N]``,
+    ``tokens`` symbolic): the compiled variant must take any row count, and
+    since API 1.2 its executable may offer ``run_torch`` (see
+    :func:`dspark.types.torch_runner`) so the engine's tensors need no host
+    round trip. The canonical quantized values are
+    :func:`dspark.sdk.quant.quantize_weight`'s; the variant's output must match
+    :func:`dspark.sdk.quant.reference_linear` within the spec's tolerance.
+
+    Combining: all plugins driving the device are called; each variant is bid
+    on separately.
+    """
+
+
+@hookspec
+def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
+    """Offer drafters for speculative decoding of ``target``.
+
+    When: when an engine with speculative decoding starts, once per target
+    model.
+
+    :param target: the verifier model: name, local path, architecture, vocab
+        size, layer count, tokenizer fingerprint; ``properties`` carries the
+        checkpoint's extra config (e.g. ``early_exit_layers``) and, since API
+        1.1, ``runtime`` is the in-process engine (``runtime.runner``,
+        ``runtime.cache``) when the target runs in this process.
+
+    Return a list of :class:`~dspark.types.DrafterSpec` (name, kind, and a
+    ``create()`` factory for a :class:`~dspark.types.Drafter`), or ``None``
+    when the plugin has nothing for this model (e.g. a tokenizer mismatch).
+    A drafter needs only ``propose(tokens, k)``; since API 1.1 it may add
+    ``propose_batch(requests)``, ``commit(seq_id, num_tokens)`` and
+    ``release(seq_id)`` (see :class:`~dspark.types.Drafter`); since API 1.3 a
+    copying drafter may say where its draft was copied from (``Draft.source``),
+    which the acceptance predictor learns from. Drafters run in
+    the engine's thread during generation: one that raises or returns a
+    malformed draft is reported and disabled for the rest of the run, and the
+    requests go on without it.
+
+    Combining: all plugins are called; every offer is kept, and the
+    speculative-decoding controller chooses among them at run time from
+    measured acceptance and cost.
+    """
+
+
+HOOK_NAMES: tuple[str, ...] = (
+    "dspark_probe_devices", "dspark_bid", "dspark_compile", "dspark_quantize", "dspark_drafters",
+)

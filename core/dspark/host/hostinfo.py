@@ -1,0 +1,114 @@
+"""Facts about the host CPU and memory, read from the OS without heavy imports.
+
+Shared by every plugin that drives the CPU, so they report the same device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# ISA features that change which kernels are fast; /proc/cpuinfo flag names.
+_X86_FEATURES = {
+    "avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512_vnni": "avx512_vnni",
+    "avx_vnni": "avx_vnni", "avx512_bf16": "avx512_bf16", "avx512_fp16": "avx512_fp16",
+    "amx_tile": "amx_tile", "amx_bf16": "amx_bf16", "amx_int8": "amx_int8", "f16c": "f16c",
+}
+_ARM_FEATURES = {"asimd": "neon", "asimddp": "dotprod", "bf16": "bf16", "i8mm": "i8mm",
+                 "sve": "sve", "sve2": "sve2", "fphp": "fp16"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_static() -> dict[str, Any]:
+    """CPU model, core counts, ISA features, NUMA nodes (cached: these never change)."""
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and value.strip():
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    table = _ARM_FEATURES if platform.machine().lower() in ("aarch64", "arm64") else _X86_FEATURES
+    features = sorted(name for flag, name in table.items() if flag in flags)
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return {
+        "model": model,
+        "arch": platform.machine(),
+        "physical_cores": psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+        "logical_cores": psutil.cpu_count(logical=True) or os.cpu_count() or 1,
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "isa_features": features,
+        "numa_nodes": max(1, len(nodes)),
+    }
+
+
+def memory() -> tuple[int, int]:
+    """(total, available) host memory in bytes, honouring a cgroup limit when set."""
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max" and int(limit) < total:
+            total = int(limit)
+            available = max(0, min(available, total - used))
+    except (OSError, ValueError):
+        pass
+    return total, available
+
+
+def cpu_utilization() -> float:
+    """System-wide CPU load over the last minute, 0..1 (load average / cores)."""
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:
+        return 0.0
+    return max(0.0, min(1.0, load1 / (cpu_static()["logical_cores"] or 1)))
+
+
+def fingerprint() -> dict[str, Any]:
+    """What a cached CPU microbenchmark depends on."""
+    s = cpu_static()
+    return {"host": platform.node(), "model": s["model"], "cores": s["usable_cores"], "isa": s["isa_features"]}
+
+
+# Plugins probe concurrently; CPU microbenchmarks running at the same time
+# would share the cores and cache figures that are too low. Every CPU
+# microbenchmark runs under this lock.
+cpu_benchmark_lock = threading.Lock()
+
+
+def memory_bandwidth(refresh: bool = False) -> float:
+    """Host memory bandwidth in bytes/s, by a short copy microbenchmark (cached on disk)."""
+    from dspark.host import cache
+
+    key = {"bench": "memcpy-v1", **fingerprint()}
+    if not refresh and (hit := cache.load("hostinfo", key)) is not None:
+        return float(hit)
+    import time
+
+    import numpy as np
+
+    src = np.ones(32 * 1024 * 1024 // 8, dtype=np.float64)  # 32 MiB: past the caches
+    dst = np.empty_like(src)
+    best = float("inf")
+    with cpu_benchmark_lock:
+        for _ in range(7):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - t0)
+    value = 2 * src.nbytes / best  # read + write
+    cache.store("hostinfo", key, value)
+    return value

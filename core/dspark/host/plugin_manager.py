@@ -1,0 +1,360 @@
+"""Loading plugins and calling their hooks in isolation.
+
+Built-ins load first, then every ``dspark`` entry point, then modules named
+with ``-p MODULE``. Each plugin is checked when it registers (declared API
+version, unique name, hook names and argument names) and every call into it
+runs in a worker thread with a timeout; whatever goes wrong is recorded on
+the plugin's :class:`~dspark.types.PluginRecord` and the plugin is left out
+of later calls. Nothing a plugin does can stop the run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import inspect
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pluggy
+from pydantic import TypeAdapter, ValidationError
+
+from dspark import hookspecs
+from dspark.graph.model import Subgraph
+from dspark.host.log import get_logger
+from dspark.host.settings import PluginSettings
+from dspark.types import (
+    Bid, Device, DrafterSpec, Executable, HardwareUnavailable, PluginRecord, PluginStatus,
+    Unavailable,
+)
+
+log = get_logger("dspark.plugins")
+
+BUILTINS: dict[str, str] = {
+    "torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram", "drafters": "dspark.builtin.drafters",
+}
+ENTRY_POINT_GROUP = "dspark"
+
+
+class PluginError(RuntimeError):
+    """A plugin broke the contract; the message names the plugin and the hook."""
+
+
+class HookTimeout(PluginError):
+    pass
+
+
+class _PluginManager(pluggy.PluginManager):
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        # Like pytest with ``pytest_*``: an unmarked ``dspark_*`` function is a
+        # hook impl too, so a misspelled hook name is caught, not ignored.
+        if opts is None and name.startswith("dspark_") and inspect.isroutine(getattr(plugin, name, None)):
+            return {}
+        return opts
+
+
+def _api_problem(declared: Any) -> str | None:
+    if declared is None:
+        return "does not declare DSPARK_API_VERSION (e.g. DSPARK_API_VERSION = %r)" % hookspecs.API_VERSION
+    try:
+        major, minor = (int(x) for x in str(declared).split(".")[:2])
+    except ValueError:
+        return f"DSPARK_API_VERSION {declared!r} is not 'MAJOR.MINOR'"
+    core_major, core_minor = (int(x) for x in hookspecs.API_VERSION.split("."))
+    if major != core_major or minor > core_minor:
+        return f"written for plugin API {declared}; this dspark speaks {hookspecs.API_VERSION}"
+    return None
+
+
+def _summary(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PluginHost:
+    """The plugin manager: registry, status of every plugin, isolated hook calls."""
+
+    def __init__(self, settings: PluginSettings | None = None) -> None:
+        self.settings = settings or PluginSettings.from_env()
+        self.pm = _PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+        self._lock = threading.Lock()
+
+    # -- loading -------------------------------------------------------------
+
+    def load(self) -> PluginHost:
+        """Load built-ins, entry points (unless autoload is off) and ``-p`` modules."""
+        for name, module in BUILTINS.items():
+            self._load_by_import(name, module, "builtin", version=_dist_version("dspark"))
+        if self.settings.autoload:
+            for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+                version = ep.dist.version if ep.dist is not None else ""
+                self._load_by_import(ep.name, ep.value, "entry point", version=version, loader=ep.load)
+        for module in self.settings.extra_modules:
+            self._load_by_import(None, module, "command line", version="")
+        return self
+
+    def _load_by_import(
+        self, name: str | None, target: str, source: str, version: str,
+        loader: Callable[[], Any] | None = None,
+    ) -> None:
+        if name is not None and (why := self.settings.excluded(name)):
+            self._set(PluginRecord(name=name, module=target, source=source, version=version,  # type: ignore[arg-type]
+                                   status=PluginStatus.BLOCKED, reason=why))
+            return
+        try:
+            obj = loader() if loader else _import_target(target)
+        except Exception as exc:  # any import error is the plugin's, not ours
+            shown = name or target
+            self._set(PluginRecord(name=shown, module=target, source=source, version=version,  # type: ignore[arg-type]
+                                   status=PluginStatus.FAILED,
+                                   reason=f"failed to import {target!r}: {type(exc).__name__}: {exc}"))
+            log.warning("plugin.import_failed", plugin=shown, target=target, error=str(exc))
+            return
+        if name is None:
+            module_part, _, attr = target.partition(":")
+            name = str(getattr(obj, "DSPARK_PLUGIN_NAME", None) or attr or module_part.rsplit(".", 1)[-1])
+            if why := self.settings.excluded(name):
+                self._set(PluginRecord(name=name, module=target, source=source, version=version,  # type: ignore[arg-type]
+                                       status=PluginStatus.BLOCKED, reason=why))
+                return
+        self.register(obj, name, source=source, version=version or str(getattr(obj, "__version__", "")))
+
+    def register(self, plugin: object, name: str, *, source: str = "command line", version: str = "") -> PluginRecord:
+        """Check and register one plugin object (module, class instance or class)."""
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        module = getattr(plugin, "__name__", None) or type(plugin).__module__
+        record = PluginRecord(name=name, module=module, source=source, version=version,  # type: ignore[arg-type]
+                              api_version=str(getattr(plugin, "DSPARK_API_VERSION", "") or ""))
+        existing = self.records.get(name)
+        if existing is not None and existing.status != PluginStatus.BLOCKED:
+            dup = PluginRecord(**{**record.model_dump(), "status": PluginStatus.FAILED,
+                                  "reason": f"plugin name {name!r} is already taken by {existing.module!r}"})
+            self.records[f"{name} ({module})"] = dup
+            log.warning("plugin.duplicate_name", plugin=name, module=module, taken_by=existing.module)
+            return dup
+        if problem := _api_problem(getattr(plugin, "DSPARK_API_VERSION", None)):
+            return self._fail_record(record, problem)
+        try:
+            self.pm.register(plugin, name=name)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            return self._fail_record(record, f"invalid hook implementation: {exc}")
+        unknown = [hc.name for hc in self.pm.get_hookcallers(plugin) or [] if hc.spec is None]
+        if unknown:
+            self.pm.unregister(plugin)
+            hints = []
+            for u in unknown:
+                close = difflib.get_close_matches(u, hookspecs.HOOK_NAMES, n=1)
+                hints.append(f"{u!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            return self._fail_record(record, "implements unknown hook " + ", ".join(hints))
+        self._set(record)
+        log.debug("plugin.registered", plugin=name, module=module, source=source)
+        return record
+
+    def _fail_record(self, record: PluginRecord, reason: str) -> PluginRecord:
+        record.status = PluginStatus.FAILED
+        record.reason = reason
+        self._set(record)
+        log.warning("plugin.rejected", plugin=record.name, reason=reason)
+        return record
+
+    def _set(self, record: PluginRecord) -> None:
+        with self._lock:
+            self.records[record.name] = record
+
+    # -- status --------------------------------------------------------------
+
+    def active(self) -> list[str]:
+        """Plugins still taking calls (active or without hardware), in load order."""
+        return [n for n, r in self.records.items() if r.status in (PluginStatus.ACTIVE, PluginStatus.NO_HARDWARE)]
+
+    def fail(self, name: str, reason: str) -> None:
+        """Report ``name`` as failed and leave it out of every later call."""
+        with self._lock:
+            record = self.records[name]
+            if record.status == PluginStatus.FAILED:
+                return
+            record.status = PluginStatus.FAILED
+            record.reason = reason
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        log.warning("plugin.failed", plugin=name, reason=reason)
+
+    def implements(self, name: str, hook: str) -> bool:
+        return self._impl(name, hook) is not None
+
+    def _impl(self, name: str, hook: str) -> Any:
+        caller = getattr(self.pm.hook, hook)
+        for impl in caller.get_hookimpls():
+            if impl.plugin_name == name:
+                return impl
+        return None
+
+    # -- calling -------------------------------------------------------------
+
+    def call(self, name: str, hook: str, **kwargs: Any) -> Any:
+        """Call one plugin's ``hook`` in isolation; validated result, or None.
+
+        None is returned when the plugin abstains, does not implement the
+        hook, or failed (it is then reported and left out).
+        """
+        if name not in self.active():
+            return None
+        impl = self._impl(name, hook)
+        if impl is None:
+            return None
+        args = [kwargs[a] for a in impl.argnames]
+        timeout = self.settings.timeout_for(hook)
+        start = time.perf_counter()
+        outcome = "ok"
+        try:
+            raw = _call_with_timeout(impl.function, args, timeout, f"{name}.{hook}")
+            result = _validate(hook, name, raw, kwargs)
+        except HardwareUnavailable as exc:
+            if hook == "dspark_probe_devices":
+                outcome = "no hardware"
+                raise
+            outcome = "raised"  # only probing may say the hardware is gone; elsewhere it is a failure
+            self.fail(name, f"{hook} raised HardwareUnavailable: {exc}")
+            return None
+        except HookTimeout:
+            outcome = "timeout"
+            self.fail(name, f"{hook} did not return within {timeout:g} s")
+            return None
+        except PluginError as exc:
+            outcome = "invalid"
+            self.fail(name, str(exc))
+            return None
+        except Exception as exc:
+            outcome = "raised"
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            self.fail(name, f"{hook} raised {type(exc).__name__}: {exc} "
+                            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+            return None
+        finally:
+            if self.settings.trace:
+                log.info("hook.call", plugin=name, hook=hook, outcome=outcome,
+                         ms=round((time.perf_counter() - start) * 1e3, 3),
+                         args={k: _summary(v, 80) for k, v in kwargs.items()},
+                         result=_summary(locals().get("raw")) if outcome == "ok" else None)
+        return result
+
+    def call_all(self, hook: str, names: Iterable[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Call ``hook`` on every active plugin concurrently; {plugin: result}.
+
+        A plugin raising :class:`HardwareUnavailable` maps to that exception
+        instance so the caller can record the reason.
+        """
+        names = [n for n in (names if names is not None else self.active()) if self.implements(n, hook)]
+        results: dict[str, Any] = {}
+
+        def one(n: str) -> None:
+            try:
+                results[n] = self.call(n, hook, **kwargs)
+            except HardwareUnavailable as exc:
+                results[n] = exc
+
+        threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # each call carries its own timeout
+        return {n: results.get(n) for n in names}
+
+
+def _import_target(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _call_with_timeout(fn: Callable[..., Any], args: list[Any], timeout: float, label: str) -> Any:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    # A daemon thread: a hung plugin cannot be killed, but it must not keep
+    # the process alive either.
+    thread = threading.Thread(target=target, name=f"dspark-hook-{label}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise HookTimeout(f"{label} did not return within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+_DRAFTERS = TypeAdapter(list[DrafterSpec])
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<value>'}: {e['msg']}" for e in exc.errors()[:4])
+
+
+def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
+    """Check a hook's return value against the contract; raise PluginError naming the plugin."""
+    if raw is None:
+        return None
+    try:
+        if hook == "dspark_probe_devices":
+            if not isinstance(raw, (list, tuple)):
+                raise PluginError(f"plugin {plugin!r}: dspark_probe_devices returned "
+                                  f"{type(raw).__name__}, not a list of Device/Unavailable")
+            items: list[Device | Unavailable] = []
+            for i, item in enumerate(raw):
+                model = Unavailable if isinstance(item, Unavailable) or (
+                    isinstance(item, dict) and "what" in item) else Device
+                try:
+                    items.append(model.model_validate(item))
+                except ValidationError as exc:
+                    raise PluginError(f"plugin {plugin!r}: dspark_probe_devices returned an invalid "
+                                      f"{model.__name__} at [{i}]: {_errors(exc)}") from None
+            for d in items:
+                if isinstance(d, Device):
+                    d.plugin = plugin
+            return items
+        if hook == "dspark_bid":
+            bid = Bid.model_validate(raw)
+            bid.plugin = plugin
+            if bid.device_id != kwargs["device"].id:
+                raise PluginError(f"plugin {plugin!r}: dspark_bid returned a bid for device "
+                                  f"{bid.device_id!r} when asked about {kwargs['device'].id!r}")
+            return bid
+        if hook == "dspark_compile":
+            if not isinstance(raw, Executable) or not callable(getattr(raw, "run", None)):
+                raise PluginError(f"plugin {plugin!r}: dspark_compile returned {type(raw).__name__}, "
+                                  "which has no run(inputs) method")
+            return raw
+        if hook == "dspark_quantize":
+            if not isinstance(raw, Subgraph) or raw.quantized_by != plugin:
+                raise PluginError(f"plugin {plugin!r}: dspark_quantize must return a Subgraph with "
+                                  f"quantized_by={plugin!r}, got {_summary(raw, 80)}")
+            return raw
+        if hook == "dspark_drafters":
+            specs = _DRAFTERS.validate_python(raw)
+            for s in specs:
+                s.plugin = plugin
+            return specs
+    except ValidationError as exc:
+        raise PluginError(f"plugin {plugin!r}: {hook} returned an invalid value: {_errors(exc)}") from None
+    return raw

@@ -1,0 +1,276 @@
+"""User-facing entry points: ``LLM`` (blocking, batched) and ``AsyncLLMEngine`` (asyncio, for servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput
+from dspark.llm.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+def default_model_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "models" / "stdlib-llama"
+
+
+def _resolve(model: str | Path | None) -> Path:
+    if model is not None:
+        return Path(model)
+    path = default_model_path()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the embedded default model is not at {path} (not trained/installed yet); "
+                                "pass a checkpoint directory to LLM(...)")
+    return path
+
+
+class LLM:
+    """``LLM(path_or_default=None, *, dtype="auto", **EngineConfig fields)``; None = embedded model.
+
+    Prompts are strings (tokenized with the checkpoint's tokenizer.json, which
+    adds BOS if the tokenizer does) or token-id lists. An empty prompt is run
+    as BOS alone; a model without a ``bos_token_id`` rejects it.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", **engine_kw: Any) -> None:
+        self.engine = LLMEngine(_resolve(model), dtype=dtype, **engine_kw)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """Run all prompts through the engine together; outputs in prompt order."""
+        plist: list[Prompt] = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)  # type: ignore[list-item]
+        n = len(plist)
+        ps = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * n
+        prios = list(priority) if isinstance(priority, Sequence) else [priority] * n
+        if len(ps) != n or len(prios) != n:
+            raise ValueError(f"{n} prompts but {len(ps)} sampling params and {len(prios)} priorities")
+        rids = [f"gen-{next(self._ids)}" for _ in plist]
+        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        seqs = [self.engine.make_sequence(r, p, sp, pr) for r, p, sp, pr in zip(rids, plist, ps, prios)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            for s in seqs:
+                self.engine.add_sequence(s)
+            while len(final) < n:
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            for r in rids:
+                if r not in final:
+                    self.engine.abort(r)
+        return [final[r] for r in rids]
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                        priority: int = 0) -> Iterator[str]:
+        """Yield text as it is produced; breaking out of the loop aborts the request."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params, priority)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        if out.delta:
+                            yield out.delta
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def runner(self) -> Any:
+        """The :class:`~dspark.llm.runner.model.ModelRunner` (its forward, kernels and weights)."""
+        return self.engine.runner
+
+    @property
+    def plan(self) -> Any:
+        """The :class:`~dspark.llm.quantization.QuantPlan` the model runs with, or None when it is float."""
+        return self.engine.quant_plan
+
+    @property
+    def kernels(self) -> list[Any]:
+        """Who runs each quantized layer, and the bids that chose it."""
+        return list(self.engine.quant_kernels)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held in memory (quantized layers at their packed size)."""
+        return int(self.runner.weight_bytes())
+
+
+def optimize_model(model: Any = None, quantization_config: dict[str, Any] | str | None = None,
+                   speculative_decoding_config: dict[str, Any] | bool | None = None, *, dtype: str = "auto",
+                   **engine_kw: Any) -> LLM:
+    """The seed's entry point: a ready model, quantized and with speculative decoding as configured.
+
+    ``model``: a checkpoint directory, None for the embedded model, an optimized directory from
+    ``dspark convert``, or a loaded ``transformers`` model whose ``name_or_path`` is a local directory.
+    ``quantization_config``: :class:`~dspark.llm.quantization.QuantizationConfig` fields, e.g.
+    ``{"method": "auto_mixed_precision", "calibration_dataset": "calib.jsonl",
+    "sensitive_layers": ["embed_tokens", "lm_head"], "target_device": "cpu"}``.
+    ``speculative_decoding_config``: :class:`~dspark.llm.runner.config.SpeculativeConfig` fields, e.g.
+    ``{"enabled": True, "draft_model": "auto", "strategy": "deepspec"}``.
+    """
+    from dspark.llm.quantization.config import QuantizationConfig
+
+    path = _model_path(model)
+    qc = None if quantization_config is None else QuantizationConfig.model_validate(
+        quantization_config if isinstance(quantization_config, dict) else {"method": quantization_config})
+    if qc is not None and qc.target_device not in ("auto", "cpu"):
+        import torch
+
+        dev = qc.target_device
+        ok = dev.startswith("cuda") and torch.cuda.is_available() and (
+            ":" not in dev or int(dev.split(":")[1]) < torch.cuda.device_count())
+        if not ok:
+            raise ValueError(f"quantization_config.target_device: {dev!r} is not a device torch can drive here "
+                             "(use 'cpu' or 'auto')")
+        engine_kw.setdefault("devices", "auto")
+    if speculative_decoding_config is not None:
+        engine_kw["speculative_decoding"] = speculative_decoding_config
+    return LLM(path, dtype=dtype, quantization=qc, **engine_kw)
+
+
+def _model_path(model: Any) -> Path | None:
+    if model is None or isinstance(model, (str, Path)):
+        return None if model is None else Path(model)
+    if isinstance(model, LLM):
+        return model.engine.model_path
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(name, str) and Path(name).is_dir():
+        return Path(name)
+    raise TypeError(f"optimize_model: model must be a checkpoint directory, None (the embedded model) or a "
+                    f"transformers model loaded from a local directory; got {type(model).__name__}")
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+
+class AsyncLLMEngine:
+    """Steps the engine in one background thread; any number of asyncio tasks stream from it.
+
+    Adds and aborts go through an inbox that the engine thread drains between
+    steps, so the engine itself is only ever touched by that thread.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()  # guards _streams and engine reads from other threads
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path | None = None, *, dtype: str = "auto", **engine_kw: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine(_resolve(model), dtype=dtype, **engine_kw))
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="dspark-llm-engine", daemon=True)
+            self._thread.start()
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:
+                pass  # the caller's loop is gone
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            while not self._inbox.empty():
+                op, arg = self._inbox.get()
+                if op == "add":
+                    try:
+                        with self._lock:
+                            eng.add_sequence(arg)
+                    except ValueError as e:  # e.g. an id already used through the sync API
+                        self._deliver(arg.request_id, e)
+                    continue
+                with self._lock:
+                    out = eng.abort(arg)
+                if out is not None:
+                    self._deliver(arg, out)
+            with self._lock:
+                busy = eng.has_unfinished()
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self._lock:
+                    outs = eng.step()
+            except BaseException as e:  # a step fault fails every open stream, not just silently the thread
+                self._error = e
+                with self._lock:
+                    rids = list(self._streams)
+                    eng.abort_all()
+                for rid in rids:
+                    self._deliver(rid, e)
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        rid = request_id or f"async-{next(self._ids)}"
+        seq = self.engine.make_sequence(rid, prompt, params, priority)  # raises here, in the caller
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._start()
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:  # consumer went away or was cancelled: free its pages
+                self._inbox.put(("abort", rid))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self.engine.abort_all()

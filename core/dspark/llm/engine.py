@@ -1,0 +1,415 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.llm.runner.config import EngineConfig
+from dspark.llm.logits import (
+    LogprobsPrefix, TokenLogprobs, batch_logprobs, process, process_batch, token_logprobs,
+)
+from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.sampling import SamplingParams, sample
+from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """State of one request after a step; ``text``/``token_ids`` are cumulative, ``delta`` is new text."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    usage: Usage
+    num_preemptions: int = 0
+    # One entry per token of ``token_ids`` (raw logprobs, vLLM's default) when params.logprobs is set.
+    # A read-only view the length of ``token_ids``: ``logprobs[n_before:]`` is a stream's new part.
+    logprobs: Seq[TokenLogprobs] | None = None
+    first_scheduled: float | None = None  # time.perf_counter() when first scheduled (queue time = it - arrival)
+    # With params.prompt_logprobs: entry k is prompt token k + 1's (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_used_bytes: int
+    kv_total_bytes: int
+    kv_used_pages: int
+    kv_free_pages: int
+    kv_total_pages: int
+    kv_usage: float
+    kv_fragmentation: float
+    page_size: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    effective_max_batch: int
+    # Speculative decoding (all zero when it is off); the totals over every drafter:
+    spec_strategy: str | None = None
+    spec_drafts: int = 0  # (sequence, step) pairs that verified a draft
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0  # accepted tokens per draft
+    spec_drafter_failures: int = 0
+    spec_explore_steps: int = 0  # drafts DeepSpec made only to re-measure drafting costs
+    spec_calibration_error: float | None = None  # the acceptance predictor's expected calibration error
+    spec_drafters: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, per drafter
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
+                 config: EngineConfig | None = None, plugin_host: Any = None, **config_kw: Any) -> None:
+        if config is not None and config_kw:
+            raise TypeError("pass either config= or engine keyword arguments, not both")
+        self.model_path = Path(model)
+        cfg = config or EngineConfig(**config_kw)
+        if cfg.max_model_len is not None and (self.model_path / "config.json").exists():
+            from dspark.llm.runner.loader import load_config
+
+            _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)  # before loading
+        self.runner = ModelRunner.from_pretrained(str(model), dtype)
+        mcfg = self.runner.cfg
+        if cfg.max_model_len is not None:
+            _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if cfg.max_model_len is None and mcfg.sliding_window is not None:
+            max_len = min(max_len, mcfg.sliding_window)  # within the window, full attention is exact
+        if mcfg.sliding_window is not None and max_len > mcfg.sliding_window:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's sliding_window {mcfg.sliding_window}, "
+                             "which this runner does not implement; lower max_model_len")
+        total = cfg.max_total_tokens or max(8192, max_len)
+        self.config = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
+        self.max_model_len = max_len
+        num_pages = -(-total // cfg.page_size)
+        self.placement: Any = None  # dspark.llm.placement.LayerPlacement when cfg.devices is set
+        self.dense_offload: Any = None
+        self.dense_offload_decision: Any = None
+        if cfg.devices is not None:  # before the cache: each layer's KV pages go where the layer runs
+            from dspark.llm.placement import place_engine
+
+            self.placement = place_engine(self.runner, cfg.devices, max_model_len=max_len,
+                                          max_total_tokens=num_pages * cfg.page_size,
+                                          decode_batch=min(cfg.max_batch_size, 8),
+                                          prefill_chunk=min(cfg.max_num_batched_tokens, 128))
+        self.quant_plan: Any = None  # dspark.llm.quantization.QuantPlan when the model runs quantized
+        self.quant_kernels: list[Any] = []  # who runs each quantized projection (KernelChoice)
+        self._quantize(cfg)
+        if cfg.dense_offload != "off":
+            from dspark.llm.placement import setup_dense_offload
+
+            devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
+            self.dense_offload, self.dense_offload_decision = setup_dense_offload(
+                self.runner, cfg.dense_offload, layer_devices=devs)
+        from dspark.llm.runner.packed_linear import pack_runner
+
+        self.packed_linear = pack_runner(self.runner, cfg.packed_linear)  # after quantization: float ones only
+        self.cache = self.runner.make_cache(num_pages, cfg.page_size)
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.tokenizer = _load_tokenizer(Path(model))
+        self.eos_ids = set(mcfg.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._default_gen = torch.Generator().manual_seed(0)
+        self.spec: Any = None  # dspark.llm.speculative.decoder.SpecDecoder when speculative decoding is on
+        if cfg.speculative.active:
+            from dspark.llm.speculative.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(self, cfg.speculative, plugin_host)
+
+    def _quantize(self, cfg: EngineConfig) -> None:
+        from dspark.llm.quantization.convert import PLAN_FILE, is_optimized
+
+        qc = cfg.quantization
+        if is_optimized(self.model_path):
+            if qc is not None and qc.enabled:
+                raise ValueError(f"quantization: {self.model_path} is already an optimized directory (its plan is "
+                                 f"{PLAN_FILE}); quantize the original checkpoint instead")
+            from dspark.llm.quantization.plan import QuantPlan
+
+            plan = QuantPlan.read(self.model_path / PLAN_FILE)
+        elif qc is not None and qc.enabled:
+            from dspark.llm.quantization.sensitivity import build_plan
+
+            plan = build_plan(self.runner, self.model_path, qc)
+        else:
+            return
+        if cfg.dense_offload != "off":
+            raise ValueError("dense_offload and quantization cannot be combined: the offloaded MLP runs float weights")
+        from dspark.llm.quantization.apply import apply_plan
+
+        self.quant_plan = plan
+        self.quant_kernels = apply_plan(self.runner, plan, speed_first=None if qc is None else qc.speed_first)
+
+    # -- requests -------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json; pass prompts as token id lists")
+            ids: list[int] = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            # Empty prompt: generate from BOS alone, as a Llama tokenizer would encode "".
+            bos = self.runner.cfg.bos_token_id
+            if bos is None:
+                raise ValueError("empty prompt, and the model has no bos_token_id to start from")
+            ids = [bos]
+        vocab = self.runner.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                      priority: int = 0) -> Sequence:
+        """Validate and tokenize; pure, so callers on other threads may use it."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                             "(at least one token must be left for output)")
+        worst = min(len(ids) + params.max_tokens, self.max_model_len)
+        cap = self.cache.allocator.num_pages * self.cache.page_size
+        if worst > cap:
+            # Refuse now: a request that cannot fit even alone would otherwise preempt forever.
+            raise ValueError(f"request {request_id!r} may need {worst} KV tokens (prompt {len(ids)} + "
+                             f"max_tokens {params.max_tokens}) but max_total_tokens allows {cap}")
+        vocab = self.runner.cfg.vocab_size
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        constraint = None
+        if params.guided is not None:
+            from dspark.llm.structured import build_constraint
+
+            constraint = build_constraint(self, params.guided)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                        prompt_ids=ids, params=params, priority=priority, arrival=0, generator=gen,
+                        constraint=constraint)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.arrival = next(self._arrival)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        self.add_sequence(self.make_sequence(request_id, prompt, params, priority))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        if self.spec is not None:
+            self.spec.release(request_id)
+        return self._output(seq)
+
+    def abort_all(self) -> None:
+        for rid in list(self._seqs):
+            self.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; returns an output for every request that got a new token."""
+        planned = self.scheduler.schedule()
+        if not planned:
+            return []
+        t0 = time.perf_counter()
+        if self.spec is not None:
+            spec_out: list[RequestOutput] = self.spec.step(planned, t0)
+            return spec_out
+        chunks = [self._chunk(p) for p in planned]
+        logits = self.runner.step(self.cache, chunks)
+        for i in [i for i, ch in enumerate(chunks) if ch.all_logits]:
+            logits[i] = self._prompt_logprobs(planned[i].seq, logits[i])
+        # Greedy rows take one batched argmax (the same pick as sample() makes row by row).
+        greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
+        picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist())) \
+            if len(greedy) > 1 else {}
+        picks.update(self._sample_processed(planned, logits))
+        outputs = []
+        for i, (p, lg) in enumerate(zip(planned, logits)):
+            seq = p.seq
+            completes = p.completes
+            seq.num_computed += p.num_tokens
+            if not completes:
+                continue  # mid-prompt chunk: nothing to sample yet
+            tok = picks[i] if i in picks else self._sample(seq, lg)
+            seq.output_ids.append(tok)
+            self._check_stop(seq, tok)
+            outputs.append(self._output(seq))
+            if seq.status is Status.FINISHED:
+                del self._seqs[seq.request_id]
+        self.scheduler.record_step((time.perf_counter() - t0) * 1e3)
+        return outputs
+
+    def _chunk(self, p: ScheduledChunk) -> SeqChunk:
+        """A planned prefill or decode chunk; with every row's logits while prompt logprobs are wanted."""
+        s, a = p.seq, p.seq.num_computed
+        return SeqChunk(s.request_id, s.all_ids[a : a + p.num_tokens], all_logits=self._wants_prompt_lp(s))
+
+    @staticmethod
+    def _wants_prompt_lp(s: Sequence) -> bool:
+        # Until every prompt entry is in: a recompute after preemption only fills in what is missing.
+        return s.params.prompt_logprobs is not None and s.num_computed <= len(s.prompt_logprobs) < len(s.prompt_ids) - 1
+
+    def _prompt_logprobs(self, s: Sequence, rows: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs a prefill chunk's ``rows`` [n, vocab] give that are not in yet
+        (called before ``num_computed`` advances); returns the last row, the one sampled from."""
+        a, m = s.num_computed, len(s.prompt_logprobs)  # row r predicts prompt token a + r + 1
+        targets = s.prompt_ids[m + 1 : min(a + rows.shape[0], len(s.prompt_ids) - 1) + 1]
+        if targets:
+            s.prompt_logprobs += batch_logprobs(rows[m - a : m - a + len(targets)], targets,
+                                                s.params.prompt_logprobs or 0)
+        return rows[-1]
+
+    def _sample_processed(self, planned: list[ScheduledChunk], logits: list[torch.Tensor]) -> dict[int, int]:
+        """Tokens of the step's rows that need processing or logprobs, done together: the processing
+        (``process_batch``), greedy picks and raw logprobs as batched tensor work, then per row the
+        sampling, the recorded logprobs and the grammar's advance, exactly as ``_sample`` does them."""
+        rows = [i for i, p in enumerate(planned) if p.completes and not p.seq.plain]
+        if not rows:
+            return {}
+        seqs = [planned[i].seq for i in rows]
+        raw = torch.stack([logits[i] for i in rows])
+        work = [j for j, s in enumerate(seqs) if s.params.needs_processing or s.constraint is not None]
+        proc = raw
+        if work:
+            proc = raw.clone()
+            proc[work] = process_batch(raw[work], [seqs[j] for j in work], self.eos_ids)
+        argmax = proc.argmax(-1).tolist()
+        toks = [argmax[j] if s.params.greedy else sample(proc[j], s.params, s.generator or self._default_gen)
+                for j, s in enumerate(seqs)]
+        want = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            n = max(seqs[j].params.logprobs or 0 for j in want)
+            got = batch_logprobs(raw[want], [toks[j] for j in want], n)
+            for j, lp in zip(want, got):
+                k = seqs[j].params.logprobs or 0
+                seqs[j].logprobs.append(lp if k == n else TokenLogprobs(lp.token_id, lp.logprob, lp.top[:k]))
+        for s, t in zip(seqs, toks):
+            if s.constraint is not None:
+                s.constraint.accept(t)
+        return dict(zip(rows, toks))
+
+    def _sample(self, seq: Sequence, row: torch.Tensor) -> int:
+        """The next token of ``seq`` from its fp32 logits ``row``, which is then emitted: its raw logprob
+        is recorded and the grammar advanced. Plain sequences go straight to ``sample``."""
+        p = seq.params
+        gen = seq.generator or self._default_gen
+        if seq.plain:
+            return sample(row, p, gen)
+        proc = process(row, seq.prompt_ids, seq.output_ids, p, seq.constraint, self.eos_ids) \
+            if p.needs_processing or seq.constraint is not None else row
+        tok = sample(proc, p, gen)
+        if p.logprobs is not None:
+            seq.logprobs.append(token_logprobs(row, tok, p.logprobs))
+        if seq.constraint is not None:
+            seq.constraint.accept(tok)
+        return tok
+
+    def _check_stop(self, seq: Sequence, tok: int, decode: bool = True) -> None:
+        """Finish ``seq`` if ``tok`` (just appended) ends it. ``decode=False`` skips decoding the text,
+        for a caller appending several tokens at once that decodes once afterwards (``_set_text``);
+        only allowed without stop strings, which need the text after every token."""
+        p = seq.params
+        early = len(seq.output_ids) < p.min_tokens  # as vLLM: no stop checks before min_tokens
+        stop_tok = not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids))
+        if seq.constraint is not None and seq.constraint.is_terminated():
+            stop_tok = True  # the grammar ended (on EOS): nothing may follow
+        if decode or p.stop:
+            self._set_text(seq, stop_tok)
+        reason = "stop" if stop_tok else None
+        if early and p.stop:
+            seq.stop_floor = len(seq.text)
+        elif p.stop and reason is None:
+            # The earliest match wins; text before it is the output. A match must end past the text
+            # of the first min_tokens - 1 tokens.
+            hits = [i for s in p.stop if (i := seq.text.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0]
+            if hits:
+                seq.text, reason = seq.text[: min(hits)], "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens
+                               or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _set_text(self, seq: Sequence, drop_last: bool) -> None:
+        """``seq.text`` from its output tokens, less the last one when that is a stop token."""
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.status is Status.FINISHED
+        end = len(seq.text)
+        if not finished:
+            # Hold back what may still turn into a stop string, and half-decoded UTF-8.
+            hold = max((len(s) for s in seq.params.stop), default=1) - 1
+            end = max(seq.emitted, len(seq.text.rstrip("\ufffd")) - hold)
+        delta, seq.emitted = seq.text[seq.emitted : end], end
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_ids),
+            text=seq.text, token_ids=list(seq.output_ids), delta=delta, finished=finished,
+            finish_reason=seq.finish_reason, usage=Usage(len(seq.prompt_ids), len(seq.output_ids)),
+            num_preemptions=seq.num_preemptions,
+            logprobs=None if seq.params.logprobs is None else LogprobsPrefix(seq.logprobs, len(seq.output_ids)),
+            first_scheduled=seq.first_scheduled,
+            # Complete before the first output, and never changed after: no copy.
+            prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.cache.stats()
+        return EngineStats(
+            kv_used_bytes=kv.used_bytes, kv_total_bytes=kv.total_bytes, kv_used_pages=kv.used_pages,
+            kv_free_pages=kv.free_pages, kv_total_pages=kv.total_pages, kv_usage=kv.used_pages / kv.total_pages,
+            kv_fragmentation=kv.fragmentation, page_size=kv.page_size, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
+            effective_max_batch=self.scheduler.effective_max_batch,
+            **(self.spec.stats() if self.spec is not None else {}),
+        )
+
+
+def _check_max_len(max_model_len: int, max_pos: int) -> None:
+    if max_model_len > max_pos:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+
+
+def _load_tokenizer(root: Path) -> Any:
+    f = root / "tokenizer.json"
+    if not f.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(f))

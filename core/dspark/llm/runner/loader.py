@@ -1,0 +1,237 @@
+"""Load a local Hugging Face checkpoint of the Llama family into plain tensors.
+
+No ``transformers`` at run time and no remote code: we read config.json and
+the safetensors files ourselves, so what runs is exactly what we checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from safetensors import safe_open
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DType = Literal["float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "auto"]
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or field."""
+
+
+class ModelConfig(BaseModel):
+    """The subset of a Hugging Face config the runner needs, normalised across versions."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    d = dict(raw)
+    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+    if d.get("head_dim") is None and d.get("hidden_size") and d.get("num_attention_heads"):
+        d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    # transformers 5 folds rope_theta and rope_scaling into rope_parameters; 4.x keeps them apart.
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict):
+        d["rope_theta"] = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        d["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if d.get("rope_theta") is None:
+        d["rope_theta"] = 10000.0
+    # Qwen2 always has q/k/v biases (and no attention_bias field).
+    if mt == "qwen2":
+        d["attention_bias"] = True
+    if mt == "qwen2" and not d.get("use_sliding_window", False):
+        d["sliding_window"] = None
+    if d.get("torch_dtype") is None and isinstance(d.get("dtype"), str):
+        d["torch_dtype"] = d["dtype"]  # transformers 5 renamed the field
+    eos = d.get("eos_token_id")
+    d["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    d.pop("eos_token_id", None)
+    try:
+        cfg = ModelConfig.model_validate(d)
+    except ValidationError as e:
+        fields = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
+        raise CheckpointError(f"{source}: missing or invalid field(s): {fields}") from e
+    if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{source}: rope scaling type {cfg.rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({cfg.num_key_value_heads})"
+        )
+    return cfg
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the runner reads, by its Hugging Face name, with its shape."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+# CPU flags that mean native half-precision matmul; without them torch emulates it, several times slower than fp32.
+_NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig | None = None) -> torch.dtype:
+    """``auto`` = as stored, except half precision on a GPU-less host whose CPU lacks it natively: float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        stored = _DTYPES.get(cfg.torch_dtype or "float32", torch.float32) if cfg else torch.float32
+        flags = _NATIVE_CPU_FLAGS.get(stored)
+        if flags and not torch.cuda.is_available() and not _cpu_flags() & set(flags):
+            return torch.float32
+        return stored
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(sorted(_DTYPES))} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def _weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        wm = json.loads(index.read_text())["weight_map"]
+        files = [root / f for f in dict.fromkeys(wm.values())]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{index}: shard {f.name} is listed in weight_map but missing")
+        return files
+    single = root / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(root.glob("*.safetensors"))
+    if found:
+        return found
+    raise CheckpointError(
+        f"{root}: no weights found (expected model.safetensors or model.safetensors.index.json; "
+        "only safetensors checkpoints are loaded, never pickles)"
+    )
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    root = Path(path)
+    cfg_file = root / "config.json"
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file}: missing config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    return parse_config(raw, str(cfg_file))
+
+
+def load_checkpoint(
+    path: str | Path, dtype: str | torch.dtype = "auto"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and weights, check every tensor's presence and shape, cast to ``dtype``."""
+    root = Path(path)
+    if (root / "dspark_quant_plan.json").exists():  # an optimized directory (dspark convert)
+        from dspark.llm.quantization.convert import read_weights
+
+        cfg, weights = read_weights(root, dtype)
+        check_shapes(cfg, weights, root)
+        return cfg, weights
+    cfg = load_config(root)
+    tdtype = resolve_dtype(dtype, cfg)
+    want = expected_shapes(cfg)
+    weights: dict[str, torch.Tensor] = {}
+    for f in _weight_files(root):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name not in want:
+                    continue  # e.g. rotary inv_freq buffers, or a tied lm_head copy
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != want[name]:
+                    raise CheckpointError(
+                        f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
+                        f"config.json implies {want[name]}"
+                    )
+                weights[name] = t.to(tdtype)
+    missing = [n for n in want if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{root}: tensor {missing[0]} is missing from the checkpoint{more}")
+    return cfg, weights
+
+
+def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor], root: Path) -> None:
+    """Every tensor the config implies is present with its shape (extra ones, e.g. a tied head, may be)."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            raise CheckpointError(f"{root}: tensor {name} is missing from the checkpoint")
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{root}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                  f"config.json implies {shape}")

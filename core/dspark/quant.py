@@ -1,0 +1,10 @@
+"""Plugin API 1.3 name of :mod:`dspark.sdk.quant`, kept so plugins written against 1.3 load unchanged.
+
+New code imports :mod:`dspark.sdk.quant` (see docs/plugins.md); this module *is* that module.
+"""
+
+import sys
+
+import dspark.sdk.quant as _target
+
+sys.modules[__name__] = _target

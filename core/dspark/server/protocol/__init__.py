@@ -1,0 +1,1 @@
+"""The OpenAI wire protocol: request/response schemas, chat templates, token text and logprob formatting."""
