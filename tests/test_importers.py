@@ -16,7 +16,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from dspark.builtin.torch_ref import TorchExecutable
+from dspark.sdk.reference.executable import TorchExecutable
 from dspark.graph.model import Graph
 from dspark.graph.importers import ModelSpecError, load_factory, load_model
 from dspark.graph.onnx_io import UnsupportedModelError

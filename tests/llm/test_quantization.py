@@ -12,11 +12,11 @@ import torch
 
 from dspark.llm.runner.model import EMBED, HEAD, ModelRunner
 from dspark.sdk.quant import quantize_weight, dequantize
-from dspark.llm.quantization.config import QuantizationConfig
+from dspark.llm.config import QuantizationConfig
 from dspark.llm.quantization.data import CalibrationDataError, load_jsonl, spread_windows
 from dspark.llm.quantization.evaluate import perplexity
 from dspark.llm.quantization.fake import fake_activations, fake_weight
-from dspark.llm.quantization.plan import QuantPlan
+from dspark.llm.quantization import QuantPlan
 from dspark.llm.quantization.sensitivity import build_plan, matches
 from dspark.types import QuantSpec
 

@@ -8,19 +8,15 @@ request's own text is ``prompt-lookup``'s. Where
 ``prompt-lookup`` only copies from the request's own context, this one also
 drafts at a request's start, and where a model says what it has said to
 others (a small model's code idioms, a template, an agent's repeated tool
-calls). Measured on the embedded model (benchmarks/suffix_replay.py, on the
-code workload of benchmarks/speculative.py): where the request's own match
-was 1-7 tokens and the store's 16 or more, the store's draft held for 22-25
-tokens on average, the request's own for 4-6; where both matched 16+, the
-store's held for 2, the own for 26. DeepSpec learns which to take.
+calls): where the store's match is much longer than the request's own, its
+draft tends to hold longer, and the reverse (benchmarks/suffix_replay.py
+measures both). DeepSpec learns which to take.
 
 The n-grams matched are long (16, 8, 4 tokens), longest first, latest
 occurrence first; a draft's confidence comes from the true length of the
 match (up to 32 tokens), as for ``prompt-lookup``, so the controller learns
 how far each holds. Memory is bounded: past ``max_tokens`` stored tokens the
-oldest requests' text is dropped (up to ~0.75 KB per stored token, ~50 MB at
-the default cap; storing a finished 600-token request takes ~5 ms, a lookup
-5-12 us).
+oldest requests' text is dropped.
 
 The store is shared by every request of one engine: one user's text can
 shape what is drafted for another's. That changes speed only, never output
@@ -32,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark.builtin.ngram import confidence
+from dspark.builtin.prompt_lookup import confidence
 from dspark.types import Draft, DraftRequest
 
 NGRAMS = (16, 8, 4)

@@ -37,7 +37,7 @@ def convert(
     from pydantic import ValidationError
 
     from dspark.llm.runner.loader import CheckpointError
-    from dspark.llm.quantization.config import QuantizationConfig
+    from dspark.llm.config import QuantizationConfig
     from dspark.llm.quantization.convert import ConvertError
     from dspark.llm.quantization.convert import convert as run
     from dspark.llm.quantization.data import CalibrationDataError

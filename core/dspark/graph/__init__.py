@@ -1,6 +1,7 @@
 """The graph model (public plugin API): tensors, ops, graphs and the subgraphs plugins bid on.
 
-:mod:`.model` holds the types; :mod:`.onnx_io` reads and writes ONNX,
+:mod:`.elements` holds tensor specs and ops, :mod:`.model` the graph and subgraph
+types; :mod:`.onnx_io` reads and writes ONNX,
 :mod:`.flops` annotates op costs, :mod:`.importers` turns PyTorch, ONNX and
 other sources into ONNX files.
 """

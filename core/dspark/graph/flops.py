@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from dspark.graph.model import Graph, Op
+from dspark.graph.elements import Op
+
+if TYPE_CHECKING:
+    from dspark.graph.model import Graph
 
 # Ops whose cost is about one arithmetic operation per output element.
 _ELEMENTWISE = {

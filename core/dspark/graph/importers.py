@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from dspark.graph.model import Graph
-from dspark.graph.onnx_io import KNOWN_DOMAINS, UnsupportedModelError, graph_from_onnx
+from dspark.graph.onnx_io import KNOWN_DOMAINS, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +73,7 @@ def load_model(
     example inputs' sizes (so plan for seq=2048 while exporting with seq=8).
     """
     if isinstance(spec, onnx.ModelProto):
-        return graph_from_onnx(spec, name=name, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
+        return Graph.from_onnx(spec, name=name, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
     if isinstance(spec, (str, Path)):
         text = str(spec)
         _, sep, attr = text.rpartition(":")
@@ -84,7 +84,7 @@ def load_model(
                 raise FileNotFoundError(f"model file not found: {text}")
             if path.suffix == ".py":
                 raise ModelSpecError(f"{text}: a Python model spec needs a factory, e.g. '{text}:make_model'")
-            return graph_from_onnx(path, name=name or path.stem, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
+            return Graph.from_onnx(path, name=name or path.stem, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
         module, inputs, dyn = load_factory(text)
         return graph_from_torch(
             module, inputs if example_inputs is None else example_inputs,
@@ -181,7 +181,7 @@ def graph_from_torch(
     model, hints = export_onnx(module, example_inputs, dynamic=dynamic, opset=opset)
     hints.update(dim_hints or {})
     try:
-        return graph_from_onnx(model, name=name or type(module).__name__, dim_hints=hints, domains=KNOWN_DOMAINS)
+        return Graph.from_onnx(model, name=name or type(module).__name__, dim_hints=hints, domains=KNOWN_DOMAINS)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{type(module).__qualname__}: {exc}") from exc
 

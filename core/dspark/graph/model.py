@@ -11,82 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dspark.types import DType
+from dspark.graph.elements import Dim, Op, TensorSpec, dtype_of, numpy_dtype
+from dspark.graph.flops import annotate_costs
+
+__all__ = ["Dim", "Graph", "Op", "Subgraph", "TensorSpec", "dtype_of", "numpy_dtype"]
 
 if TYPE_CHECKING:
     import onnx
-
-Dim = int | str  # a str is a symbolic dimension, e.g. "batch"
-
-_NP_DTYPES: dict[str, Any] = {
-    "float64": np.float64, "float32": np.float32, "float16": np.float16,
-    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8,
-    "uint8": np.uint8, "bool": np.bool_,
-}
-_ITEMSIZE: dict[str, float] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "int4": 0.5, "uint4": 0.5, "bool": 1,
-}
-
-
-def numpy_dtype(dtype: str) -> Any:
-    """The numpy dtype for a dspark dtype name (KeyError for bfloat16/int4)."""
-    return _NP_DTYPES[dtype]
-
-
-def dtype_of(array: np.ndarray) -> DType:
-    for name, np_dtype in _NP_DTYPES.items():
-        if array.dtype == np_dtype:
-            return name  # type: ignore[return-value]
-    raise ValueError(f"unsupported numpy dtype {array.dtype}")
-
-
-class TensorSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    dtype: DType
-    shape: tuple[Dim, ...]
-
-    @property
-    def is_static(self) -> bool:
-        return all(isinstance(d, int) for d in self.shape)
-
-    def numel(self, bindings: dict[str, int] | None = None) -> int | None:
-        """Element count, resolving symbolic dims from ``bindings``; None if unresolved."""
-        n = 1
-        for d in self.shape:
-            if isinstance(d, str):
-                if not bindings or d not in bindings:
-                    return None
-                d = bindings[d]
-            n *= d
-        return n
-
-    def nbytes(self, bindings: dict[str, int] | None = None) -> int | None:
-        n = self.numel(bindings)
-        return None if n is None else int(np.ceil(n * _ITEMSIZE[self.dtype]))
-
-
-class Op(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="Unique node name in the graph.")
-    op_type: str = Field(description="ONNX operator type, e.g. 'MatMul'.")
-    domain: str = Field("", description="ONNX domain; '' is the default ai.onnx domain.")
-    inputs: list[str] = Field(description="Tensor names; '' for an omitted optional input.")
-    outputs: list[str]
-    attrs: dict[str, Any] = Field(default_factory=dict)
-    flops: float | None = Field(None, description="Arithmetic operations of one run, when known.")
-    bytes_read: int | None = None
-    bytes_written: int | None = None
-    param_bytes: int = 0
 
 
 class Graph(BaseModel):
@@ -161,10 +100,14 @@ class Graph(BaseModel):
         return Subgraph(graph=self, op_names=op_names if op_names is not None else [o.name for o in self.ops])
 
     @classmethod
-    def from_onnx(cls, model: onnx.ModelProto | str | bytes, name: str | None = None) -> Graph:
-        from dspark.graph.onnx_io import graph_from_onnx
+    def from_onnx(cls, model: onnx.ModelProto | str | bytes | Path, name: str | None = None, *,
+                  dim_hints: dict[str, int] | None = None, domains: Collection[str] | None = None) -> Graph:
+        """Import an ONNX model (file, bytes or proto), costs annotated; see :func:`.onnx_io.read_onnx`."""
+        from dspark.graph.onnx_io import read_onnx  # imports onnx, which plugins importing this module need not
 
-        return graph_from_onnx(model, name=name)
+        graph = cls(**read_onnx(model, name=name, dim_hints=dim_hints, domains=domains))
+        annotate_costs(graph)
+        return graph
 
 
 class Subgraph(BaseModel):

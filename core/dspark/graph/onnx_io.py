@@ -1,4 +1,8 @@
-"""Conversion between ONNX models and :class:`dspark.graph.model.Graph`."""
+"""Conversion between ONNX models and :class:`dspark.graph.model.Graph`.
+
+Reading gives the graph's fields (:meth:`Graph.from_onnx` builds and annotates
+the graph), so this module needs the graph's elements but not the graph type.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,17 @@ import math
 import re
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import helper, inliner, numpy_helper, shape_inference
 
-from dspark.graph.flops import annotate_costs
-from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
+from dspark.graph.elements import Op, TensorSpec, dtype_of
 from dspark.types import DType
+
+if TYPE_CHECKING:
+    from dspark.graph.model import Subgraph
 
 _ONNX_TO_DTYPE: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
@@ -135,13 +141,13 @@ def derive_dim_hints(tensors: dict[str, TensorSpec], hints: dict[str, int]) -> d
     return out
 
 
-def graph_from_onnx(
+def read_onnx(
     model: onnx.ModelProto | str | bytes | Path,
     name: str | None = None,
     dim_hints: dict[str, int] | None = None,
     domains: Collection[str] | None = None,
-) -> Graph:
-    """Import an ONNX model, with shapes from ONNX shape inference.
+) -> dict[str, Any]:
+    """An ONNX model's graph fields (the keyword arguments of ``Graph``), shapes from ONNX shape inference.
 
     ``dim_hints`` gives representative sizes of symbolic dims; costs are
     annotated with them (and with dims derived from them, e.g. ``2*batch``).
@@ -192,11 +198,8 @@ def graph_from_onnx(
         ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain,
                       inputs=list(node.input), outputs=list(node.output), attrs=attrs))
     inputs = [i.name for i in g.input if i.name not in inits]
-    graph = Graph(name=name or g.name or Path(source).stem, opset=opset, ops=ops, tensors=tensors,
-                  inputs=inputs, outputs=[o.name for o in g.output], initializers=inits,
-                  dim_hints=hints)
-    annotate_costs(graph)
-    return graph
+    return {"name": name or g.name or Path(source).stem, "opset": opset, "ops": ops, "tensors": tensors,
+            "inputs": inputs, "outputs": [o.name for o in g.output], "initializers": inits, "dim_hints": hints}
 
 
 def _inferred_value_infos(
@@ -253,8 +256,6 @@ def _hints_from_static_pass(model: onnx.ModelProto, tensors: dict[str, TensorSpe
 
 
 def _np_name(arr: np.ndarray) -> DType:
-    from dspark.graph.model import dtype_of
-
     return dtype_of(arr)
 
 

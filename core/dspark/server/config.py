@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dspark.llm.runner.config import EngineConfig, PreemptionPolicy, SchedulerPolicy
-from dspark.llm.quantization.config import QuantizationConfig
+from dspark.llm.config import EngineConfig, PreemptionPolicy, SchedulerPolicy
+from dspark.llm.config import QuantizationConfig
 
 SpecStrategy = Literal["deepspec", "deepspec_v2", "fixed", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

@@ -1,4 +1,4 @@
-"""Install a :class:`~dspark.llm.quantization.plan.QuantPlan` on a runner through the plugins.
+"""Install a :class:`~dspark.llm.runner.quant_plan.QuantPlan` on a runner through the plugins.
 
 Each quantized projection becomes a one-op subgraph
 (:func:`dspark.sdk.quant.linear_subgraph`). Every plugin that drives the device the
@@ -23,7 +23,7 @@ from dspark.llm.runner.model import EMBED
 from dspark.host.log import get_logger
 from dspark.sdk.quant import LINEAR_INPUT, LINEAR_OUTPUT, linear_subgraph
 from dspark.llm.quantization.fake import quantize_rows_int8
-from dspark.llm.quantization.plan import LayerPlan, QuantPlan
+from dspark.llm.runner.quant_plan import LayerPlan, QuantPlan
 from dspark.types import QuantSpec, torch_runner
 
 if TYPE_CHECKING:

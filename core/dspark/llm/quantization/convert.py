@@ -33,20 +33,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.llm.runner.loader import CheckpointError, ModelConfig, load_checkpoint, load_config, resolve_dtype
-from dspark.llm.runner.model import EMBED, HEAD, ModelRunner
 from dspark.host.log import get_logger
-from dspark.sdk.quant import QuantizedWeight, dequantize, quantize_weight
 from dspark.llm.quantization.apply import spec_for
-from dspark.llm.quantization.config import QuantizationConfig
-from dspark.llm.quantization.plan import QuantPlan
+from dspark.llm.config import QuantizationConfig
+from dspark.llm.runner.layout import EMBED, HEAD
+from dspark.llm.runner.loader import (
+    PLAN_FILE, WEIGHTS_FILE, is_optimized, load_checkpoint, load_config, source_parts,
+)
+from dspark.llm.runner.model import ModelRunner
+from dspark.llm.runner.quant_plan import QuantPlan
+from dspark.sdk.quant import quantize_weight
+
+__all__ = ["DEVICE_FILE", "DRAFT_FILE", "FORMAT", "META_FILE", "PLAN_FILE", "WEIGHTS_FILE", "ConvertError", "convert",
+           "is_optimized", "source_hash"]
 
 log = get_logger("dspark.llm.quantization")
 
 FORMAT = "dspark-optimized/1"
-PLAN_FILE, DRAFT_FILE, DEVICE_FILE, META_FILE = (
-    "dspark_quant_plan.json", "dspark_draft.json", "dspark_device_plan.json", "dspark_meta.json")
-WEIGHTS_FILE = "model.safetensors"
+DRAFT_FILE, DEVICE_FILE, META_FILE = "dspark_draft.json", "dspark_device_plan.json", "dspark_meta.json"
 _SKIP_COPY = {"model.safetensors.index.json"}
 
 Progress = Callable[[str, int, int], None]
@@ -54,10 +58,6 @@ Progress = Callable[[str, int, int], None]
 
 class ConvertError(ValueError):
     """Bad converter input; the message names the file, flag or field."""
-
-
-def is_optimized(path: str | Path) -> bool:
-    return (Path(path) / PLAN_FILE).exists()
 
 
 def _json(obj: Any) -> str:
@@ -78,70 +78,6 @@ def source_hash(root: Path) -> str:
     for f in sorted(p for p in root.rglob("*") if p.is_file()):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + _sha256(f).encode() + b"\n")
     return h.hexdigest()
-
-
-# -- projections <-> checkpoint tensors ----------------------------------------------------------
-
-
-def _source_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int | None]]:
-    """The checkpoint tensors a layer stacks, with their output widths (None: the whole layer)."""
-    if name in (HEAD, EMBED):
-        return [(f"{name}.weight", None)]
-    prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
-    d = cfg.head_dim
-    parts: list[tuple[str, int | None]] = [(suffix, None)]
-    if suffix == "self_attn.qkv_proj":
-        parts = [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
-                 ("self_attn.v_proj", cfg.num_key_value_heads * d)]
-    elif suffix == "mlp.gate_up_proj":
-        parts = [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
-    return [(f"{prefix}.{p}.weight", w) for p, w in parts]
-
-
-def read_weights(root: Path, dtype: str | torch.dtype = "auto") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """An optimized directory's tensors as the float checkpoint names the runner expects (dequantized)."""
-    from safetensors import safe_open
-
-    cfg = load_config(root)
-    plan = QuantPlan.read(root / PLAN_FILE)
-    tdtype = resolve_dtype(dtype, cfg)
-    f = root / WEIGHTS_FILE
-    if not f.exists():
-        raise CheckpointError(f"{f}: missing (an optimized directory keeps all weights in {WEIGHTS_FILE})")
-    weights: dict[str, torch.Tensor] = {}
-    with safe_open(str(f), framework="pt") as sf:
-        names = set(sf.keys())
-        for n in names:
-            if not n.endswith((".qweight", ".scales")):
-                weights[n] = sf.get_tensor(n).to(tdtype)
-        for lp in plan.layers:
-            if lp.precision == "float":
-                continue
-            if lp.kind == "embedding" and plan.shares_tied_int8():
-                # Stored once as lm_head [hidden, vocab] with per-vocab scales: the same integers, transposed.
-                q = sf.get_tensor(f"{HEAD}.qweight").numpy().T
-                s = sf.get_tensor(f"{HEAD}.scales").numpy().T
-                weights["model.embed_tokens.weight"] = torch.from_numpy(q.astype(np.float32) * s).to(tdtype)
-                continue
-            for part in ("qweight", "scales"):
-                if f"{lp.name}.{part}" not in names:
-                    raise CheckpointError(f"{f.name}: tensor {lp.name}.{part} is missing but {PLAN_FILE} "
-                                          f"plans {lp.name} as {lp.precision}")
-            q = sf.get_tensor(f"{lp.name}.qweight").numpy()
-            s = sf.get_tensor(f"{lp.name}.scales").numpy()
-            if lp.kind == "embedding":
-                weights["model.embed_tokens.weight"] = torch.from_numpy(q.astype(np.float32) * s).to(tdtype)
-                continue
-            k, n = lp.shape
-            bits = 8 if lp.precision == "int8" else 4
-            qw = QuantizedWeight(data=q, scales=s, bits=bits, group_size=lp.group_size or k, shape=(k, n))
-            w = torch.from_numpy(dequantize(qw)).t()  # [out, in], as checkpoints store it
-            off = 0
-            for src, width in _source_parts(cfg, lp.name):
-                width = n if width is None else width
-                weights[src] = w[off : off + width].contiguous().to(tdtype)
-                off += width
-    return cfg, weights
 
 
 # -- conversion ------------------------------------------------------------------------------------
@@ -246,13 +182,13 @@ def convert(model_path: str | Path, output_path: str | Path, *,
         if qcfg.enabled:
             plan = build_plan(runner, src, qcfg, progress=progress)
         else:
-            from dspark.llm.quantization.plan import LayerPlan
+            from dspark.llm.runner.quant_plan import LayerPlan
 
             plan = QuantPlan(scheme="none", weight_bits=8, group_size=qcfg.group_size, budget=0.0, layers=[
                 LayerPlan(name=n, kind="linear", shape=tuple(runner.weight_t(n).shape), precision="float",
                           reason="scheme none") for n in runner.linear_names()])
         quantized = {lp.name for lp in plan.layers if lp.precision != "float"}
-        drop = {t for n in quantized for t, _ in _source_parts(cfg, n)}
+        drop = {t for n in quantized for t, _ in source_parts(cfg, n)}
         tensors: dict[str, torch.Tensor] = {}
         float_head = cfg.tie_word_embeddings and EMBED in quantized and HEAD not in quantized
         for f in sorted(p for p in src.glob("*.safetensors")):

@@ -21,11 +21,11 @@ import torch
 
 from dspark.llm.runner.model import EMBED, HEAD
 from dspark.host.log import get_logger
-from dspark.llm.quantization.config import QuantizationConfig
+from dspark.llm.config import QuantizationConfig
 from dspark.llm.quantization.data import calibration_windows
 from dspark.llm.quantization.evaluate import nll_sum
 from dspark.llm.quantization.fake import fake_linear, quantize_rows_int8
-from dspark.llm.quantization.plan import LADDER, LayerPlan, Precision, QuantPlan
+from dspark.llm.runner.quant_plan import LADDER, LayerPlan, Precision, QuantPlan
 
 if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner

@@ -1,7 +1,9 @@
 """Load a local Hugging Face checkpoint of the Llama family into plain tensors.
 
 No ``transformers`` at run time and no remote code: we read config.json and
-the safetensors files ourselves, so what runs is exactly what we checked.
+the safetensors files ourselves, so what runs is exactly what we checked. An
+optimized directory (``dspark convert``'s output) loads as the same float
+tensors, dequantized by its plan.
 """
 
 from __future__ import annotations
@@ -10,13 +12,21 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import safe_open
 
+from dspark.llm.runner.layout import EMBED, HEAD
+from dspark.llm.runner.quant_plan import QuantPlan
+from dspark.sdk.quant import QuantizedWeight, dequantize
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DType = Literal["float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "auto"]
+# An optimized directory's plan and weights (what ``dspark convert`` writes, dspark.llm.quantization.convert).
+PLAN_FILE, WEIGHTS_FILE = "dspark_quant_plan.json", "model.safetensors"
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -198,10 +208,8 @@ def load_checkpoint(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and weights, check every tensor's presence and shape, cast to ``dtype``."""
     root = Path(path)
-    if (root / "dspark_quant_plan.json").exists():  # an optimized directory (dspark convert)
-        from dspark.llm.quantization.convert import read_weights
-
-        cfg, weights = read_weights(root, dtype)
+    if is_optimized(root):  # an optimized directory (dspark convert)
+        cfg, weights = read_optimized(root, dtype)
         check_shapes(cfg, weights, root)
         return cfg, weights
     cfg = load_config(root)
@@ -235,3 +243,70 @@ def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor], root: Path)
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{root}: tensor {name} has shape {tuple(weights[name].shape)}, "
                                   f"config.json implies {shape}")
+
+
+# -- optimized directories (what `dspark convert` writes) --------------------------------------------
+
+
+def is_optimized(path: str | Path) -> bool:
+    """True for a directory ``dspark convert`` wrote (it holds a quantization plan)."""
+    return (Path(path) / PLAN_FILE).exists()
+
+
+def source_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int | None]]:
+    """The checkpoint tensors a layer stacks, with their output widths (None: the whole layer)."""
+    if name in (HEAD, EMBED):
+        return [(f"{name}.weight", None)]
+    prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
+    d = cfg.head_dim
+    parts: list[tuple[str, int | None]] = [(suffix, None)]
+    if suffix == "self_attn.qkv_proj":
+        parts = [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
+                 ("self_attn.v_proj", cfg.num_key_value_heads * d)]
+    elif suffix == "mlp.gate_up_proj":
+        parts = [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)]
+    return [(f"{prefix}.{p}.weight", w) for p, w in parts]
+
+
+def read_optimized(root: Path, dtype: str | torch.dtype = "auto") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """An optimized directory's tensors as the float checkpoint names the runner expects (dequantized)."""
+    cfg = load_config(root)
+    plan = QuantPlan.read(root / PLAN_FILE)
+    tdtype = resolve_dtype(dtype, cfg)
+    f = root / WEIGHTS_FILE
+    if not f.exists():
+        raise CheckpointError(f"{f}: missing (an optimized directory keeps all weights in {WEIGHTS_FILE})")
+    weights: dict[str, torch.Tensor] = {}
+    with safe_open(str(f), framework="pt") as sf:
+        names = set(sf.keys())
+        for n in names:
+            if not n.endswith((".qweight", ".scales")):
+                weights[n] = sf.get_tensor(n).to(tdtype)
+        for lp in plan.layers:
+            if lp.precision == "float":
+                continue
+            if lp.kind == "embedding" and plan.shares_tied_int8():
+                # Stored once as lm_head [hidden, vocab] with per-vocab scales: the same integers, transposed.
+                q = sf.get_tensor(f"{HEAD}.qweight").numpy().T
+                s = sf.get_tensor(f"{HEAD}.scales").numpy().T
+                weights["model.embed_tokens.weight"] = torch.from_numpy(q.astype(np.float32) * s).to(tdtype)
+                continue
+            for part in ("qweight", "scales"):
+                if f"{lp.name}.{part}" not in names:
+                    raise CheckpointError(f"{f.name}: tensor {lp.name}.{part} is missing but {PLAN_FILE} "
+                                          f"plans {lp.name} as {lp.precision}")
+            q = sf.get_tensor(f"{lp.name}.qweight").numpy()
+            s = sf.get_tensor(f"{lp.name}.scales").numpy()
+            if lp.kind == "embedding":
+                weights["model.embed_tokens.weight"] = torch.from_numpy(q.astype(np.float32) * s).to(tdtype)
+                continue
+            k, n = lp.shape
+            bits = 8 if lp.precision == "int8" else 4
+            qw = QuantizedWeight(data=q, scales=s, bits=bits, group_size=lp.group_size or k, shape=(k, n))
+            w = torch.from_numpy(dequantize(qw)).t()  # [out, in], as checkpoints store it
+            off = 0
+            for src, width in source_parts(cfg, lp.name):
+                width = n if width is None else width
+                weights[src] = w[off : off + width].contiguous().to(tdtype)
+                off += width
+    return cfg, weights

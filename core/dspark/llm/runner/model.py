@@ -22,9 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from dspark.llm.runner import packed_linear
+from dspark.llm.runner.attention_plan import KERNEL_MAX_CHUNK, decode_groups, kernel_plan, prefill_plan
 from dspark.llm.runner.kv_cache import PagedKVCache
+from dspark.llm.runner.layout import EMBED, HEAD, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import ModelConfig, load_checkpoint, resolve_dtype
 from dspark.llm.runner.rope import apply_rope, cos_sin, inv_frequencies
+
+__all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
 
 
 @dataclass
@@ -39,46 +43,6 @@ class SeqChunk:
     hidden_only: bool = False
 
 
-@dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    w_qkv_t: torch.Tensor  # [hidden, q+k+v]: stored transposed, see the note below
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    w_gate_up_t: torch.Tensor  # [hidden, 2 * intermediate], transposed
-    w_down: torch.Tensor
-    # Installed by quantization (dspark.llm.quantization.apply): x -> x @ W through a plugin's
-    # compiled kernel. None = the float weight above runs.
-    f_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
-    f_o: Callable[[torch.Tensor], torch.Tensor] | None = None
-    f_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
-    f_down: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # oneDNN-packed copies for steps of more than one row (dspark.llm.runner.packed_linear); None = not packed.
-    p_qkv: torch.Tensor | None = None
-    p_o: torch.Tensor | None = None
-    p_gate_up: torch.Tensor | None = None
-    p_down: torch.Tensor | None = None
-
-
-# The projections quantization treats as units: (name suffix, _Layer weight, stored transposed?, kernel slot).
-# A kernel slot "f_x" has a packed-copy slot "p_x".
-# Names follow the checkpoint's, with the fused ones named like vLLM's (qkv_proj, gate_up_proj).
-PROJECTIONS: tuple[tuple[str, str, bool, str], ...] = (
-    ("self_attn.qkv_proj", "w_qkv_t", True, "f_qkv"),
-    ("self_attn.o_proj", "w_o", False, "f_o"),
-    ("mlp.gate_up_proj", "w_gate_up_t", True, "f_gate_up"),
-    ("mlp.down_proj", "w_down", False, "f_down"),
-)
-EMBED, HEAD = "model.embed_tokens", "lm_head"
-
-
-# Widening projections (out > in) are stored transposed and run as ``x @ w_t``:
-# MKL's GEMV streams a [in, out] matrix about 1.7x faster than F.linear's
-# [out, in] one when the weights come from DRAM (batch-1 decode), and is no
-# slower for prefill-sized batches. Narrowing ones (o, down) are faster as F.linear.
-
-
 def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each chunk's positions among the rows that went through the final norm."""
     out, o = [], 0
@@ -86,85 +50,6 @@ def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(torch.arange(o, o + len(r)))
         o += len(r)
     return out
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """A float projection: one row through the plain weight (GEMV), more through the packed copy."""
-    if packed is not None and x.shape[0] > 1:
-        return packed_linear.linear(x, packed)
-    return x @ w if transposed else F.linear(x, w)
-
-
-# A decode SDPA call's fixed cost, in padded-token equivalents, for grouping rows by length.
-_GROUP_COST = 64
-# Chunks of at most this many tokens go to the paged kernel (decode, verification, short prompts);
-# longer ones to SDPA. Measured per layer here (2 threads, the embedded model): the kernel beat
-# SDPA over gathered pages at 1-64 queries (64 queries over 300 tokens: 428 against 457 us), and
-# was even at 128 over 500.
-_KERNEL_MAX_CHUNK = 64
-
-
-def _decode_groups(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
-                   dec: list[int]) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]]:
-    """The torch path's decode attention plan: (q rows, key length, K/V slots, mask) per SDPA group."""
-    # Decode rows are grouped by length (sorted, then cut where padding a row up to its
-    # group's longest costs more than another SDPA call); each group gathers only its
-    # own tokens' K/V slots with one index_select per layer, the slot indices built once
-    # per step. Rows shorter than their group's longest mask their tail.
-    dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
-    if dec:
-        ps = cache.page_size
-        lens = [starts[i] + 1 for i in dec]
-        order = sorted(range(len(dec)), key=lambda r: lens[r])
-        sl = [lens[r] for r in order]
-        # cost[j] = cheapest split of sorted rows [0, j); a group [i, j) costs one call
-        # (worth _GROUP_COST tokens) plus (j - i) rows padded to sl[j - 1].
-        n = len(sl)
-        cost = [0] + [0] * n
-        cut = [0] * (n + 1)
-        for j in range(1, n + 1):
-            best, bi = _GROUP_COST + j * sl[j - 1], 0
-            for i in range(1, j):
-                c_ = cost[i] + _GROUP_COST + (j - i) * sl[j - 1]
-                if c_ < best:
-                    best, bi = c_, i
-            cost[j], cut[j] = best, bi
-        bounds, j = [], n
-        while j > 0:
-            bounds.append((cut[j], j))
-            j = cut[j]
-        for a, b in reversed(bounds):
-            members = sorted(order[a:b])  # row order within a group is free; keep step order
-            glen = sl[b - 1]
-            width = cache.pages_for(glen)
-            pages = torch.zeros(len(members), width, dtype=torch.long)
-            for r, m in enumerate(members):
-                table = cache.block_tables[chunks[dec[m]].seq_id][:width]
-                pages[r, : len(table)] = torch.tensor(table)
-            slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
-            mask = None
-            if sl[a] != glen:
-                mlens = torch.tensor([lens[m] for m in members])
-                mask = (torch.arange(glen)[None, :] < mlens[:, None])[:, None, None, :]
-            rows = torch.tensor([offsets[dec[m]] for m in members], dtype=torch.long)
-            dec_plan.append((rows, glen, slots, mask))
-    return dec_plan
-
-
-def _kernel_plan(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
-                 short: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The paged kernel's plan: block tables [S, W], and per row of the step its table row and
-    visible length (causal within a chunk; 0 = a row another path runs)."""
-    T = offsets[-1] + len(chunks[-1].token_ids)
-    tabs = [cache.block_tables[chunks[i].seq_id] for i in short]
-    W = max(len(t) for t in tabs)
-    row_seq, row_len = [0] * T, [0] * T
-    for r, i in enumerate(short):
-        off, s = offsets[i], starts[i]
-        for j in range(len(chunks[i].token_ids)):
-            row_seq[off + j], row_len[off + j] = r, s + j + 1
-    tables = torch.tensor([t + [0] * (W - len(t)) for t in tabs], dtype=torch.int32)
-    return tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
 
 
 class ModelRunner:
@@ -176,9 +61,9 @@ class ModelRunner:
         # A tied model's head is the embedding, unless the loader supplies it apart (an optimized
         # directory whose embedding is int8 but whose lm_head stayed float).
         head = weights["lm_head.weight"] if "lm_head.weight" in weights else self.embed
-        self.lm_head_t = head.t().contiguous()  # [hidden, vocab]; a copy even when tied (see the note on _Layer)
+        self.lm_head_t = head.t().contiguous()  # [hidden, vocab]; a copy even when tied (see the note in layout.py)
         self.inv_freq = inv_frequencies(cfg)
-        self.layers: list[_Layer] = []
+        self.layers: list[Layer] = []
         for n in range(cfg.num_hidden_layers):
             p = f"model.layers.{n}."
             a = p + "self_attn."
@@ -186,7 +71,7 @@ class ModelRunner:
             bias = None
             if cfg.attention_bias:
                 bias = torch.cat([weights[a + f"{x}_proj.bias"] for x in "qkv"])
-            self.layers.append(_Layer(
+            self.layers.append(Layer(
                 in_norm=weights[p + "input_layernorm.weight"],
                 post_norm=weights[p + "post_attention_layernorm.weight"],
                 w_qkv_t=torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]).t().contiguous(),
@@ -384,8 +269,8 @@ class ModelRunner:
             cache.reserve(ch.seq_id, start + len(ch.token_ids))
             starts.append(start)
         tokens = torch.tensor([t for ch in chunks for t in ch.token_ids], dtype=torch.long)
-        # Positions and the K/V slots they write, in plain Python: a tensor op per chunk cost more
-        # than the arithmetic at batch 32.
+        # Positions and the K/V slots they write, in plain Python: at large batches a tensor op per
+        # chunk costs more than the arithmetic.
         ps = cache.page_size
         pos_l: list[int] = []
         slot_l: list[int] = []
@@ -408,21 +293,16 @@ class ModelRunner:
         # runs here; otherwise decode rows are batched SDPA groups and every longer chunk is one SDPA call.
         kern = self._kernel(cache)
         if kern is not None:
-            short = [i for i, ch in enumerate(chunks) if len(ch.token_ids) <= _KERNEL_MAX_CHUNK]
-            kplan = _kernel_plan(cache, chunks, starts, offsets, short) if short else None
+            short = [i for i, ch in enumerate(chunks) if len(ch.token_ids) <= KERNEL_MAX_CHUNK]
+            kplan = kernel_plan(cache, chunks, starts, offsets, short) if short else None
             dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
-            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > _KERNEL_MAX_CHUNK]
+            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > KERNEL_MAX_CHUNK]
         else:
             kplan = None
-            dec_plan = _decode_groups(cache, chunks, starts, offsets,
+            dec_plan = decode_groups(cache, chunks, starts, offsets,
                                       [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1])
             pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
-        pre_plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
-        for i in pre:
-            n, s = len(chunks[i].token_ids), starts[i]
-            pages = torch.tensor(cache.block_tables[chunks[i].seq_id][: cache.pages_for(s + n)])
-            mask = None if s == 0 else (torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None])
-            pre_plan.append((offsets[i], n, pages, mask))
+        pre_plan = prefill_plan(cache, chunks, starts, offsets, pre)
 
         devs = self.layer_devices
         x = self._lookup(tokens if devs is None else tokens.to(self.embed.device))
@@ -435,7 +315,7 @@ class ModelRunner:
                 dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
                 pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
             h = self._rms(x, L.in_norm)
-            qkv = L.f_qkv(h) if L.f_qkv is not None else _mm(h, L.w_qkv_t, L.p_qkv, True)
+            qkv = L.f_qkv(h) if L.f_qkv is not None else mm(h, L.w_qkv_t, L.p_qkv, True)
             if L.b_qkv is not None:
                 qkv = qkv + L.b_qkv
             qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
@@ -472,14 +352,14 @@ class ModelRunner:
                 attn[off : off + n] = out[0].transpose(0, 1)
             assert attn is not None
             a = attn.reshape(T, H * D)
-            x = x + (L.f_o(a) if L.f_o is not None else _mm(a, L.w_o, L.p_o, False))
+            x = x + (L.f_o(a) if L.f_o is not None else mm(a, L.w_o, L.p_o, False))
             h = self._rms(x, L.post_norm)
             mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and multi else None
             if mlp is None:
-                gu = L.f_gate_up(h) if L.f_gate_up is not None else _mm(h, L.w_gate_up_t, L.p_gate_up, True)
+                gu = L.f_gate_up(h) if L.f_gate_up is not None else mm(h, L.w_gate_up_t, L.p_gate_up, True)
                 g, u = gu.chunk(2, dim=-1)
                 a = F.silu(g) * u
-                mlp = L.f_down(a) if L.f_down is not None else _mm(a, L.w_down, L.p_down, False)
+                mlp = L.f_down(a) if L.f_down is not None else mm(a, L.w_down, L.p_down, False)
             x = x + mlp
 
         for s, ch in zip(starts, chunks):
@@ -514,5 +394,5 @@ class ModelRunner:
     @torch.inference_mode()
     def head(self, hn: torch.Tensor) -> torch.Tensor:
         """fp32 logits on the host for final-normed hidden rows (what ``hidden_only`` chunks return)."""
-        logits = (self.f_head(hn) if self.f_head is not None else _mm(hn, self.lm_head_t, self.p_head, True)).float()
+        logits = (self.f_head(hn) if self.f_head is not None else mm(hn, self.lm_head_t, self.p_head, True)).float()
         return logits.cpu() if self.layer_devices is not None else logits  # the sampler lives on the host

@@ -1,12 +1,10 @@
 """oneDNN-packed copies of the float projections, for steps with more than one row.
 
-Measured on this project's 2-vCPU AVX2 machine (embedded model, float32): the
-matmuls of a batch-32 decode step, or of a 5-token verification chunk, run
-through MKL's GEMM at a fraction of the speed the same weights reach in
-oneDNN's blocked layout (a whole batch-32 step went from 44 to 27 ms, a
-5-token verification from 12.9 to 8.5 ms), while a single row is fastest
-through MKL's GEMV on the plain weight (oneDNN's per-call overhead costs ~5%
-of a batch-1 step). So the plain weight stays for one-row steps and a packed
+The matmuls of a multi-row step (a batched decode, a verification chunk) run
+through MKL's GEMM much slower than the same weights reach in oneDNN's
+blocked layout, while a single row is fastest through MKL's GEMV on the plain
+weight (oneDNN's per-call overhead shows at batch 1; docs/benchmarks.md has
+the figures). So the plain weight stays for one-row steps and a packed
 copy serves every step with more rows: one more copy of the float projection
 weights in memory, which ``auto`` only spends when it is small next to the
 memory available.
@@ -34,7 +32,7 @@ log = get_logger(__name__)
 PackMode = Literal["auto", "on", "off"]
 # ``auto`` packs while the extra copy stays under this share of the available memory.
 AUTO_MEMORY_SHARE = 0.25
-_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; steps of 2-512 rows all gained here
+_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; one hint serves every step size
 
 
 @functools.cache
@@ -63,9 +61,9 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 def row_bucket(m: int) -> int:
     """The row count ``m`` rows run as: exact up to 8, then four buckets per doubling (<= 25% padding).
 
-    oneDNN builds (JIT-compiles) a primitive per input shape, ~0.7 MB each here, and row counts
-    left free grew RSS by gigabytes in a loop over 2-512 rows; padded to these buckets (31 up to
-    512 rows) it stays bounded.
+    oneDNN builds (JIT-compiles) a primitive per input shape and keeps it, so row counts left
+    free grow the process's memory without bound over a long run; padded to these buckets (a
+    few per doubling) it stays bounded.
     """
     if m <= 8:
         return m

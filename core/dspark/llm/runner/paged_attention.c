@@ -1,11 +1,11 @@
 /* Paged attention for short query chunks on the CPU, reading K/V in place from the pages.
  *
- * Built at first use by dspark/llm/paged_attention.py (gcc -O3 -march=native -fopenmp) and
- * called through ctypes. The torch path gathers every sequence's K/V out of the pages
- * before each SDPA call; at batch 32 that copy and the padded SDPA calls were half a decode
- * step here. This kernel reads each page once, straight from the cache.
+ * Built at first use by dspark/llm/runner/paged_attention.py (gcc -O3 -march=native -fopenmp)
+ * and called through ctypes. The torch path gathers every sequence's K/V out of the pages
+ * before each SDPA call, a copy that grows with the batch; this kernel reads each page once,
+ * straight from the cache (docs/benchmarks.md has the measurements).
  *
- * Layout (as dspark.llm.kv_cache.PagedKVCache holds it): kc, vc [num_pages, P, KVH, D];
+ * Layout (as dspark.llm.runner.kv_cache.PagedKVCache holds it): kc, vc [num_pages, P, KVH, D];
  * q row t, head h at q[t * q_stride + h * D]; out [T, H, D] contiguous.
  * Query head h uses KV head h / (H / KVH), as Hugging Face's repeat_kv does.
  * Row t attends to the first row_len[t] positions of sequence row_seq[t] (block table
@@ -17,10 +17,7 @@
  * scores all its query vectors (tile rows x the KV head's G query heads) against it, four
  * at a time in registers, so a 16-token draft reads its K/V once instead of 16 times. exp is
  * a vectorized polynomial (Cephes' expf, ~1 ulp) instead of libm's scalar call. Softmax is
- * the online (flash) form: one pass over the keys. Measured here (2 threads, the embedded
- * model's 6 heads over 2 KV heads, 300 cached tokens, one layer): a 16-token draft went
- * from 353 to ~170 us, an 8-token one from 256 to ~120; a 33-token one took ~320 us
- * against SDPA's ~410 over gathered pages, which longer chunks went to before.
+ * the online (flash) form: one pass over the keys.
  */
 #include <math.h>
 #include <stdint.h>

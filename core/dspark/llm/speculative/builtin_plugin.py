@@ -1,4 +1,4 @@
-"""Built-in drafters of the LLM engine (plugin name ``drafters``).
+"""The engine's built-in drafters plugin (plugin name ``drafters``).
 
 Offers, for a target running in this process:
 
@@ -11,7 +11,9 @@ Offers, for a target running in this process:
   in its config) or at the one measured best.
 
 The engine's settings reach the hook in ``target.properties``. Heavy imports
-happen inside the hook, so loading the plugin stays cheap.
+happen inside the hook, so loading the plugin stays cheap. It lives with the
+engine's drafters because it offers them; the lookup drafters are the
+built-in plugin ``ngram`` (:mod:`dspark.builtin.ngram`), which needs no engine.
 """
 
 from __future__ import annotations

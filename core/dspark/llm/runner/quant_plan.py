@@ -2,7 +2,9 @@
 
 A plan is data (JSON in a converted model directory, a table for people);
 :mod:`dspark.llm.quantization.sensitivity` builds one, :mod:`dspark.llm.quantization.apply`
-installs it on a runner through the plugins' quantization hook.
+installs it on a runner through the plugins' quantization hook, and the
+runner's loader reads an optimized directory's weights by it, which is why it
+lives with the runner.
 """
 
 from __future__ import annotations
