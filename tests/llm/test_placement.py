@@ -144,3 +144,28 @@ def test_dense_offload_forced_is_token_identical(make_llm: Callable[..., Any], r
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         assert got == want, plugin
         assert off._exes and off.calls > 0  # compiled per (layer, bucket) on first use, and used
+
+
+def test_dense_offload_whose_run_fails_falls_back_to_torch(make_llm: Callable[..., Any]) -> None:
+    """A plugin that bids on the MLP, compiles it, and raises at run time costs the engine
+    nothing but speed: torch runs that layer's MLP, the outputs are plain decoding's, and
+    the failure is charged to the plugin for that subgraph, not to the whole plugin."""
+    from bad_plugins import RaisesAtRun
+    from dspark import PluginStatus
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.host.settings import PluginSettings
+
+    host = PluginHost(PluginSettings(autoload=False, blocked={"ngram", "drafters"})).load()
+    host.register(RaisesAtRun(), "boom")
+    prompts = random_prompts(3, seed=5, lo=2, hi=60)
+    want = [o.token_ids for o in make_llm().generate(prompts, GREEDY)]
+    llm = make_llm(dense_offload="boom", plugin_host=host)
+    off = llm.engine.dense_offload
+    assert off is not None and off.device.plugin == "boom"
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+    assert off.calls == 0 and len(off.failed) == len(llm.engine.runner.layers)  # each layer left to torch
+    assert next(iter(off.failed.values())).startswith("run: RuntimeError")
+    record = host.records["boom"]
+    assert record.faults and record.faults[0].hook == "run" and record.faults[0].charged_to == "subgraph"
+    assert record.status == PluginStatus.ACTIVE  # one odd subgraph does not cost the whole plugin

@@ -23,7 +23,7 @@ from scipy.stats import chisquare
 
 import dspark
 from dspark.llm import LLM, SamplingParams
-from dspark.llm.runner.config import EngineConfig
+from dspark.llm.config import EngineConfig
 from dspark.llm.sampling import distribution
 from dspark.llm.runner.packed_linear import row_bucket
 from dspark.llm.speculative.controller import RLS, Controller, Option, VerifyCost, padded_drafted, verify_x

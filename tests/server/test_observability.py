@@ -271,7 +271,8 @@ def test_describe_runtime_of_a_placed_engine() -> None:
     host = SimpleNamespace(active=lambda: ["torch", "cuda", "cpu"])
     spec = SimpleNamespace(host=host, handles=[SimpleNamespace(plugin="ngram")])
     eng = SimpleNamespace(placement=placement, dense_offload=None, dense_offload_decision=None,
-                          runner=SimpleNamespace(dtype="torch.float16"), quant_plan=None, spec=spec)
+                          runner=SimpleNamespace(dtype="torch.float16"), quant_plan=None, spec=spec,
+                          plugin_host=host)
     rt = describe_runtime(eng)
     assert rt.devices == ["cpu", "cuda:0"] and rt.plugins == ["torch", "cuda", "cpu"]
     assert rt.plugins_used == ["torch", "cuda", "cpu", "ngram"]

@@ -119,10 +119,10 @@ def optimize_model(model: Any = None, quantization_config: dict[str, Any] | str 
     ``quantization_config``: :class:`~dspark.llm.quantization.QuantizationConfig` fields, e.g.
     ``{"method": "auto_mixed_precision", "calibration_dataset": "calib.jsonl",
     "sensitive_layers": ["embed_tokens", "lm_head"], "target_device": "cpu"}``.
-    ``speculative_decoding_config``: :class:`~dspark.llm.runner.config.SpeculativeConfig` fields, e.g.
+    ``speculative_decoding_config``: :class:`~dspark.llm.config.SpeculativeConfig` fields, e.g.
     ``{"enabled": True, "draft_model": "auto", "strategy": "deepspec"}``.
     """
-    from dspark.llm.quantization.config import QuantizationConfig
+    from dspark.llm.config import QuantizationConfig
 
     path = _model_path(model)
     qc = None if quantization_config is None else QuantizationConfig.model_validate(

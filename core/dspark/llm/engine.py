@@ -7,17 +7,27 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dspark.llm.runner.config import EngineConfig
+from dspark.llm.config import EngineConfig
 from dspark.llm.logits import (
-    LogprobsPrefix, TokenLogprobs, batch_logprobs, process, process_batch, token_logprobs,
+    LogprobsPrefix,
+    TokenLogprobs,
+    batch_logprobs,
+    process,
+    process_batch,
+    token_logprobs,
 )
 from dspark.llm.runner.model import ModelRunner, SeqChunk
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+
+if TYPE_CHECKING:
+    from dspark.host.inventory import Inventory
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.llm.speculative.decoder import SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -81,10 +91,16 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
-                 config: EngineConfig | None = None, plugin_host: Any = None, **config_kw: Any) -> None:
+                 config: EngineConfig | None = None, plugin_host: PluginHost | None = None,
+                 **config_kw: Any) -> None:
+        """``plugin_host``: the plugins this engine uses for placement, quantization, dense offload and
+        drafters; by default every installed plugin, loaded on first need. One host and one inventory
+        serve the whole engine."""
         if config is not None and config_kw:
             raise TypeError("pass either config= or engine keyword arguments, not both")
         self.model_path = Path(model)
+        self._plugin_host = plugin_host
+        self._inventory: Inventory | None = None
         cfg = config or EngineConfig(**config_kw)
         if cfg.max_model_len is not None and (self.model_path / "config.json").exists():
             from dspark.llm.runner.loader import load_config
@@ -110,7 +126,9 @@ class LLMEngine:
         if cfg.devices is not None:  # before the cache: each layer's KV pages go where the layer runs
             from dspark.llm.placement import place_engine
 
-            self.placement = place_engine(self.runner, cfg.devices, max_model_len=max_len,
+            auto = cfg.devices == "auto"  # else a device profile: planning only, by its own bidders
+            self.placement = place_engine(self.runner, cfg.devices, host=self.plugin_host if auto else None,
+                                          inv=self.inventory if auto else None, max_model_len=max_len,
                                           max_total_tokens=num_pages * cfg.page_size,
                                           decode_batch=min(cfg.max_batch_size, 8),
                                           prefill_chunk=min(cfg.max_num_batched_tokens, 128))
@@ -122,7 +140,7 @@ class LLMEngine:
 
             devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
             self.dense_offload, self.dense_offload_decision = setup_dense_offload(
-                self.runner, cfg.dense_offload, layer_devices=devs)
+                self.runner, cfg.dense_offload, layer_devices=devs, host=self.plugin_host, inv=self.inventory)
         from dspark.llm.runner.packed_linear import pack_runner
 
         self.packed_linear = pack_runner(self.runner, cfg.packed_linear)  # after quantization: float ones only
@@ -133,11 +151,32 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._default_gen = torch.Generator().manual_seed(0)
-        self.spec: Any = None  # dspark.llm.speculative.decoder.SpecDecoder when speculative decoding is on
+        self.spec: SpecDecoder | None = None  # when speculative decoding is on
         if cfg.speculative.active:
             from dspark.llm.speculative.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(self, cfg.speculative, plugin_host)
+            self.spec = SpecDecoder(cfg.speculative, runner=self.runner, cache=self.cache, model_path=self.model_path,
+                                    max_model_len=max_len, max_batch_size=self.config.max_batch_size,
+                                    eos_ids=self.eos_ids, default_gen=self._default_gen, host=self.plugin_host,
+                                    runtime=self)
+
+    @property
+    def plugin_host(self) -> PluginHost:
+        """The engine's one plugin host: the caller's, or every installed plugin, loaded on first need."""
+        if self._plugin_host is None:
+            from dspark.host.plugin_manager import PluginHost
+
+            self._plugin_host = PluginHost().load()
+        return self._plugin_host
+
+    @property
+    def inventory(self) -> Inventory:
+        """The devices the engine's plugin host reports, probed once, on first need."""
+        if self._inventory is None:
+            from dspark.host.inventory import probe
+
+            self._inventory = probe(self.plugin_host)
+        return self._inventory
 
     def _quantize(self, cfg: EngineConfig) -> None:
         from dspark.llm.quantization.convert import PLAN_FILE, is_optimized
@@ -147,7 +186,7 @@ class LLMEngine:
             if qc is not None and qc.enabled:
                 raise ValueError(f"quantization: {self.model_path} is already an optimized directory (its plan is "
                                  f"{PLAN_FILE}); quantize the original checkpoint instead")
-            from dspark.llm.quantization.plan import QuantPlan
+            from dspark.llm.quantization import QuantPlan
 
             plan = QuantPlan.read(self.model_path / PLAN_FILE)
         elif qc is not None and qc.enabled:
@@ -161,7 +200,8 @@ class LLMEngine:
         from dspark.llm.quantization.apply import apply_plan
 
         self.quant_plan = plan
-        self.quant_kernels = apply_plan(self.runner, plan, speed_first=None if qc is None else qc.speed_first)
+        self.quant_kernels = apply_plan(self.runner, plan, speed_first=None if qc is None else qc.speed_first,
+                                        host=self.plugin_host, inv=self.inventory)
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -240,38 +280,81 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration; returns an output for every request that got a new token."""
+        """Run one scheduler iteration; returns an output for every request that got a new token.
+
+        The one step loop, with or without speculation: the speculative decoder (when on) proposes
+        drafts for the scheduled sequences and verifies them in the same target forward; only here
+        are tokens appended, stops checked and outputs emitted."""
         planned = self.scheduler.schedule()
         if not planned:
             return []
         t0 = time.perf_counter()
-        if self.spec is not None:
-            spec_out: list[RequestOutput] = self.spec.step(planned, t0)
-            return spec_out
+        spec = self.spec
+        prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
+        if spec is not None and prop is not None:
+            chunks = [spec.chunk(prop, p, ch) for p, ch in zip(planned, chunks)]
+        t_fwd = time.perf_counter()
         logits = self.runner.step(self.cache, chunks)
-        for i in [i for i, ch in enumerate(chunks) if ch.all_logits]:
+        if spec is not None and prop is not None:
+            spec.verify(prop, chunks, logits, t_fwd)  # first: it times the forward
+        drafted = [bool(prop is not None and prop.draft(p.seq)) for p in planned]
+        for i in [i for i, ch in enumerate(chunks) if ch.all_logits and not drafted[i]]:
             logits[i] = self._prompt_logprobs(planned[i].seq, logits[i])
-        # Greedy rows take one batched argmax (the same pick as sample() makes row by row).
-        greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
-        picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist())) \
-            if len(greedy) > 1 else {}
-        picks.update(self._sample_processed(planned, logits))
+        picks: dict[int, int] = {}
+        if prop is None:
+            # Greedy rows take one batched argmax (the same pick as sample() makes row by row). With
+            # speculation every row samples in turn, keeping the order the shared generator is drawn in.
+            greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
+            if len(greedy) > 1:
+                picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist()))
+            picks.update(self._sample_processed(planned, logits))
         outputs = []
         for i, (p, lg) in enumerate(zip(planned, logits)):
             seq = p.seq
-            completes = p.completes
-            seq.num_computed += p.num_tokens
-            if not completes:
-                continue  # mid-prompt chunk: nothing to sample yet
-            tok = picks[i] if i in picks else self._sample(seq, lg)
-            seq.output_ids.append(tok)
-            self._check_stop(seq, tok)
+            if drafted[i]:
+                assert spec is not None and prop is not None
+                v = spec.accept(prop, i, seq, lg)
+                seq.num_computed += 1 + v.accepted
+                self._append(seq, v.tokens, v.logprobs)
+                finished = seq.status is Status.FINISHED
+                if not finished:
+                    self.cache.truncate(seq.request_id, v.rejected)  # the rejected draft's KV rows
+                spec.settle(prop, seq, v, finished)
+            else:
+                completes = p.completes  # before num_computed moves
+                seq.num_computed += p.num_tokens
+                if not completes:
+                    continue  # mid-prompt chunk: nothing to sample yet
+                tok = picks[i] if i in picks else self._sample(seq, lg)
+                self._append(seq, [tok])
+                if prop is not None and prop.reserved(seq) and seq.status is not Status.FINISHED:
+                    self.cache.truncate(seq.request_id, 0)  # pages taken for a draft that did not come
             outputs.append(self._output(seq))
             if seq.status is Status.FINISHED:
                 del self._seqs[seq.request_id]
-        self.scheduler.record_step((time.perf_counter() - t0) * 1e3)
+                if spec is not None:
+                    spec.release(seq.request_id)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        if spec is not None and prop is not None:
+            spec.end_step(prop, step_ms)
+        self.scheduler.record_step(step_ms)
         return outputs
+
+    def _append(self, seq: Sequence, toks: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Append ``toks`` (with their logprobs, when given) to ``seq`` through the stop checks, up to
+        the first that finishes it. The text is decoded once at the end unless stop strings need it
+        after every token."""
+        per_token = bool(seq.params.stop)
+        for i, t in enumerate(toks):
+            seq.output_ids.append(t)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            self._check_stop(seq, t, decode=per_token)
+            if seq.status is Status.FINISHED:
+                break
+        if not per_token:
+            self._set_text(seq, seq.finish_reason == "stop")
 
     def _chunk(self, p: ScheduledChunk) -> SeqChunk:
         """A planned prefill or decode chunk; with every row's logits while prompt logprobs are wanted."""

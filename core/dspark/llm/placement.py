@@ -266,11 +266,14 @@ def host_and_inventory(devices: str) -> tuple[PluginHost, Inventory]:
 
 
 def place_engine(runner: ModelRunner, devices: str, *, max_model_len: int, max_total_tokens: int,
-                 decode_batch: int, prefill_chunk: int) -> LayerPlacement:
-    """Plan the runner's pieces over ``devices`` ("auto" or a profile) and move them there."""
+                 decode_batch: int, prefill_chunk: int, host: PluginHost | None = None,
+                 inv: Inventory | None = None) -> LayerPlacement:
+    """Plan the runner's pieces over ``devices`` ("auto" or a profile) and move them there.
+    ``host``/``inv``: the engine's plugin host and inventory, used for ``"auto"`` (else built here)."""
     import torch
 
-    host, inv = host_and_inventory(devices)
+    if devices != "auto" or host is None or inv is None:
+        host, inv = host_and_inventory(devices)
     runnable = {d.id: td for d in inv.devices if (td := torch_device_for(d.id, d.kind)) is not None}
     dropped = [d.id for d in inv.devices if d.id not in runnable]
     if dropped:
@@ -331,7 +334,9 @@ class DenseOffload:
     Called by the runner, in steps that carry a prefill chunk (decode rows of the same
     step ride along; decode-only steps stay in torch), as ``offload(layer_index, h)`` with the post-attention
     normed hidden state ``h`` [tokens, hidden]; returns the MLP output, or None
-    to let torch run it (more tokens than the largest bucket). Tokens are padded
+    to let torch run it (more tokens than the largest bucket, or a (layer, bucket) whose
+    compile or run failed: the failure is charged to the plugin for that subgraph and
+    torch keeps that MLP, so one odd shape never stops the engine). Tokens are padded
     with zeros up to the smallest bucket that holds them (rows are independent
     in an MLP, so padding changes nothing); one executable per (layer, bucket),
     compiled on first use.
@@ -342,6 +347,7 @@ class DenseOffload:
         self.runner, self.host, self.device = runner, host, device
         self.buckets = tuple(sorted(buckets))
         self._exes: dict[tuple[int, int], Executable] = {}
+        self.failed: dict[tuple[int, int], str] = {}  # (layer, bucket) -> why torch runs it instead
         self.compile_s = 0.0
         self.calls = 0
         del inv
@@ -374,12 +380,31 @@ class DenseOffload:
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             return None
+        if (li, bucket) in self.failed:
+            return None
         x = h.detach().float()
         if n < bucket:
             x = torch.cat([x, x.new_zeros(bucket - n, x.shape[1])])
-        y = self.executable(li, bucket).run({"h": x.numpy()})["y"]
+        try:
+            exe = self.executable(li, bucket)
+        except Exception as exc:  # compile_on already charged the plugin for this subgraph
+            return self._fall_back(li, bucket, "compile", exc)
+        try:
+            y = exe.run({"h": x.numpy()})["y"]
+        except Exception as exc:  # noqa: BLE001 - a plugin's executable: any error is its fault
+            graph = build_mlp_graph(*self.weights(li), tokens=bucket, name=f"layer{li}.mlp.{bucket}")
+            self.host.charge(self.device.plugin, "run", f"{type(exc).__name__}: {exc}",
+                             subgraph=graph.subgraph(), device=self.device.id)
+            return self._fall_back(li, bucket, "run", exc)
         self.calls += 1
         return torch.from_numpy(np.asarray(y)[:n]).to(h.dtype)
+
+
+    def _fall_back(self, li: int, bucket: int, stage: str, exc: Exception) -> None:
+        self.failed[(li, bucket)] = f"{stage}: {type(exc).__name__}: {exc}"
+        log.warning("dense_offload.fallback", plugin=self.device.plugin, layer=li, bucket=bucket,
+                    stage=stage, error=f"{type(exc).__name__}: {exc}")
+        return None
 
 
 def decide_dense_offload(runner: ModelRunner, host: PluginHost, inv: Inventory, *, mode: str,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dspark.llm.runner.config import EngineConfig
+from dspark.llm.config import EngineConfig
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.sampling import SamplingParams
 

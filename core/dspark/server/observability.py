@@ -220,8 +220,8 @@ class RuntimeInfo:
 
 
 def describe_runtime(engine: Any) -> RuntimeInfo:
-    """Read from what the engine built (its placement, dense offload, speculative decoder's plugin host);
-    without a host in the engine, the plugins are loaded (an import each, no device probing: ~0.1 s)."""
+    """Read from what the engine built (its placement, dense offload, drafters, its plugin host); for a
+    stand-in engine without a host, the plugins are loaded (an import each, no device probing)."""
     eng = getattr(engine, "engine", engine)
     placement = getattr(eng, "placement", None)
     used: list[str] = ["torch"]
@@ -247,7 +247,6 @@ def describe_runtime(engine: Any) -> RuntimeInfo:
     if quant is not None:
         target += ", quantized"
     spec = getattr(eng, "spec", None)
-    host = getattr(spec, "host", None) if spec is not None else None
     if spec is not None:
         for h in getattr(spec, "handles", []) or []:
             plugin = getattr(h, "plugin", None)
@@ -255,7 +254,8 @@ def describe_runtime(engine: Any) -> RuntimeInfo:
                 used.append(str(plugin))
     plugins: list[str] = []
     try:
-        if host is None:
+        host = getattr(eng, "plugin_host", None)  # the engine's one host (placement, quantization, drafters)
+        if host is None:  # a stand-in engine without one
             from dspark.host.plugin_manager import PluginHost
 
             host = PluginHost().load()

@@ -258,9 +258,8 @@ class Controller:
         the step) made the step's rate high and every other sequence's draft look unprofitable
         beside them. Alone, a sequence is priced at its step's own rate: its state (a loop, a
         copy, free text) persists from step to step, and what its own steps earn now is what a
-        drafted token's time would otherwise earn. (Measured, interleaved against a fixed k=7
-        lookup: alone, the step's rate gave 1.17x it and the sustained rate 1.12x; with 8 in
-        flight, 0.94x against 0.99x.) A plan is only taken when its step is predicted faster than
+        drafted token's time would otherwise earn (each rule measured best where it is used:
+        docs/benchmarks.md). A plan is only taken when its step is predicted faster than
         a plain one."""
         B = len(options)
         th = self.verify.theta

@@ -4,7 +4,7 @@ Both implement the batched, stateful drafter API (1.1): ``propose_batch``
 runs one forward per draft position over every sequence of the step,
 ``commit`` rolls a sequence's draft state back to what the verifier kept,
 ``release`` frees it. Both are offered through the ``dspark_drafters`` hook
-by the built-in plugin ``drafters`` (``dspark.builtin.drafters``), so they
+by the built-in plugin ``drafters`` (``dspark.llm.speculative.builtin_plugin``), so they
 reach the engine exactly the way a third party's drafter does.
 """
 

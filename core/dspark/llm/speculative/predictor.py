@@ -14,9 +14,8 @@ geometric model), from:
 - the prompt kind: how repetitive the prompt is (share of its 2-grams seen
   before in it; code and edits are high, open prose is low);
 - for a copy (``Draft.source``): whether it is copied from the prompt or from
-  the text generated so far (measured on the embedded model's lookup drafts:
-  copies of its own output broke at the first token 0-40% of the time,
-  copies of the prompt ~70%, at every match length);
+  the text generated so far (copies of the model's own output hold better
+  than copies of the prompt, at every match length);
 - the context length;
 - for a draft known before the choice (a lookup): how often this drafter's
   token has held after this previous token, for this exact pair, learned

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from dspark.llm.scheduler import ScheduledChunk, Sequence
 
 # Rows of logits computed first in blockwise greedy verification. A draft usually breaks
-# early, and the LM head is a quarter of a verified token's cost here (8192 x 384 of ~11.7M
-# multiply-adds): past the first mismatch its rows are never computed.
+# early, and the LM head is a large share of a verified token's cost: past the first
+# mismatch its rows are never computed.
 HEAD_BLOCK = 8
 
 
