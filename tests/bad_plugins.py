@@ -7,7 +7,10 @@ claim is the host CPU, the device every machine has.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
+
+import numpy as np
 
 import dspark
 from dspark import Bid, Device, hookimpl
@@ -30,12 +33,14 @@ class Good:
 
 
 class RaisesIn(Good):
-    """Raises in the hook named by ``hook``."""
+    """Raises in the hook named by ``hook``; ``calls`` counts the calls per hook."""
 
     def __init__(self, hook: str) -> None:
         self.hook = hook
+        self.calls: Counter[str] = Counter()
 
     def _maybe_raise(self, hook: str) -> None:
+        self.calls[hook] += 1
         if hook == self.hook:
             raise RuntimeError(f"boom in {hook}")
 
@@ -129,6 +134,60 @@ class WrongArgs(Good):
     @hookimpl
     def dspark_bid(self, subgraph: Any, device: Device, budget: float) -> None:  # type: ignore[override]
         return None
+
+
+class _Cheap(Good):
+    """Bids far below any real runtime, so the placer puts everything it can on it."""
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [_cpu(type(self).__name__)]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Bid:
+        return Bid(device_id=device.id, runtime=type(self).__name__, latency_s=1e-7, peak_memory_bytes=0,
+                   precision="float32")
+
+
+class CompileFailsOnSoftmax(_Cheap):
+    """Bids on everything, but its compiler rejects any subgraph holding a Softmax; the rest runs right."""
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Any, device: Device) -> Any:
+        if any(op.op_type == "Softmax" for op in subgraph.ops):
+            raise RuntimeError("this compiler cannot lower Softmax")
+        from dspark.sdk.reference.executable import TorchExecutable
+
+        return TorchExecutable(subgraph, "cpu")
+
+
+class BidRaisesOnSoftmax(_Cheap):
+    """Raises when asked to bid on a subgraph holding a Softmax; bids cheaply on the rest."""
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Bid:
+        if any(op.op_type == "Softmax" for op in subgraph.ops):
+            raise ValueError("no cost model for Softmax")
+        return super().dspark_bid(subgraph, device)
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Any, device: Device) -> Any:
+        from dspark.sdk.reference.executable import TorchExecutable
+
+        return TorchExecutable(subgraph, "cpu")
+
+
+class _Explodes:
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("kernel launch failed")
+
+
+class RaisesAtRun(_Cheap):
+    """Bids on everything and compiles, but its executables raise when run."""
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Any, device: Device) -> Any:
+        return _Explodes()
 
 
 assert dspark.API_VERSION.startswith("1.")  # FutureApi above is newer

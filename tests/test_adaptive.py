@@ -184,3 +184,21 @@ def test_memory_shrinking_below_the_plan_forces_a_replan(
     assert len(runner.replans) == 1 and runner.replans[0].startswith("memory: npu:0 needs")
     assert plan_memory_needs(graph, runner.plan).get("npu:0", 0) <= free["npu:0"] * MEMORY_HEADROOM
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("bad,stage", [("CompileFailsOnSoftmax", "compile"), ("RaisesAtRun", "run")])
+def test_a_failing_partition_is_planned_around_and_the_runner_goes_on(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray], bad: str, stage: str) -> None:
+    import bad_plugins
+
+    graph, x, ref = demo
+    host = PluginHost(PluginSettings(autoload=False, blocked={"ngram", "drafters"})).load()
+    host.register(getattr(bad_plugins, bad)(), "bad")
+    runner = AdaptiveRunner(graph, host, probe(host), min_runs=3, warmup=stage == "compile")
+    for _ in range(3):
+        np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    failed = [r for r in runner.replans if r.startswith(f"{stage} of partition")]
+    assert failed and "bad@cpu" in failed[0], runner.replans
+    assert "bad@cpu" not in targets(runner)
+    assert host.records["bad"].status.value == "active"
+    assert any(f.hook == ("run" if stage == "run" else "dspark_compile") for f in host.records["bad"].faults)

@@ -107,6 +107,12 @@ def test_every_broken_plugin_is_reported_and_the_listing_still_prints(broken_sit
         assert plugins[hw]["status"] == "blocked"
     cpu = next(d for d in data["devices"] if d["id"] == "cpu")
     assert {"goodone", "torch"} <= set(cpu["plugins"])
+    # Every failure is recorded on the plugin, with the hook that failed and what it cost the plugin.
+    for name in ("raises", "garbage", "hangs"):
+        [fault] = plugins[name]["faults"]
+        assert fault["hook"] == "dspark_probe_devices" and fault["charged_to"] == "plugin", (name, fault)
+        assert expect[name] in fault["reason"] and fault["count"] == 1
+    assert plugins["goodone"]["faults"] == [] and plugins["torch"]["faults"] == []
     # Reported on stderr as structured log lines too: nothing is silent.
     assert "plugin.failed" in res.stderr and "plugin.import_failed" in res.stderr
     assert plugins["torch"]["status"] == "active"
@@ -118,6 +124,17 @@ def test_table_output_lists_devices_and_plugin_reasons(broken_site: Path) -> Non
     assert res.returncode == 0, res.stderr
     assert "Devices" in res.stdout and "Plugins" in res.stdout
     assert "failed to import" in res.stdout and "blocked by 'no:cuda'" in res.stdout
+    assert "Plugin failures" in res.stdout and "sensor unreadable" in res.stdout
+
+
+def test_trace_prints_every_probe_call() -> None:
+    res = dspark("devices", "--json", env={"DSPARK_TRACE": "1", "DSPARK_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert res.returncode == 0, res.stderr
+    names = {p["name"] for p in json.loads(res.stdout)["plugins"]}
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("dspark.trace ")]
+    probed = {ln.split("plugin=")[1].split()[0] for ln in lines if "hook=dspark_probe_devices" in ln}
+    assert "torch" in probed and probed <= names
+    assert all(" ms=" in ln and " outcome=" in ln for ln in lines)
 
 
 def test_json_shape_with_all_plugins() -> None:

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "tests" / "profiles"
 
 
-def dspark(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def dspark(*args: str, timeout: float = 240, extra_env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
     # Only the CPU runtimes: keeps the subprocesses lean on a shared machine.
-    env = dict(os.environ, DSPARK_PLUGINS="no:cuda,no:ngram")
+    env = {**os.environ, "DSPARK_PLUGINS": "no:cuda,no:ngram", **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -193,3 +194,70 @@ def test_profile_runtime_abstains_on_unsupported_ops() -> None:
     table = placer.collect_op_bids(host, inv, graph)
     assert "npu@npu:0" not in table.op_bids["softmax"] and "npu@npu:0" in table.op_bids["q_proj"]
     assert table.op_bids["q_proj"]["npu@npu:0"].precision == "float16"
+
+
+def with_bad_plugin(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``dspark ARGS -p bad_plugins:NAME`` with the torch reference as the only other plugin."""
+    env = {"PYTHONPATH": str(ROOT / "tests"), "DSPARK_PLUGINS": f"torch,{name}"}
+    return dspark(*args, "-p", f"bad_plugins:{name}", extra_env=env)
+
+
+def plugin_entry(report: dict[str, object], name: str) -> dict[str, object]:
+    return next(p for p in report["plugins"] if p["name"] == name)  # type: ignore[union-attr, index]
+
+
+@pytest.mark.parametrize("bad,stage,hook,needle", [
+    ("CompileFailsOnSoftmax", "compile", "dspark_compile", "cannot lower Softmax"),
+    ("RaisesAtRun", "run", "run", "kernel launch failed"),
+])
+def test_run_finishes_on_another_target_when_a_partition_fails(model: Path, bad: str, stage: str, hook: str,
+                                                               needle: str) -> None:
+    r = with_bad_plugin(bad, "run", str(model), "--repeat", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["max_abs_error"] < 1e-3
+    target = f"{bad}@cpu"
+    failed = [f for f in report["fallbacks"] if f["stage"] == stage]
+    assert failed and failed[0]["target"] == target and needle in failed[0]["reason"]
+    assert "softmax" in failed[0]["ops"]
+    assert all(p["target"] != target for p in report["partitions"])  # finished elsewhere
+    entry = plugin_entry(report, bad)
+    assert entry["status"] == "active"  # charged to the subgraph, not the plugin
+    faults = [f for f in entry["faults"] if f["hook"] == hook]
+    assert faults and needle in faults[0]["reason"] and faults[0]["device"] == "cpu"
+    assert faults[0]["charged_to"] == "subgraph" and faults[0]["subgraph"]
+    # The table output says so too.
+    r = with_bad_plugin(bad, "run", str(model), "--repeat", "1")
+    assert r.returncode == 0, r.stderr
+    assert "fallback:" in r.stdout and "Plugin failures" in r.stdout and needle in r.stdout
+
+
+def test_plan_shows_every_plugins_failures() -> None:
+    r = with_bad_plugin("BidRaisesOnSoftmax", "plan", "demo", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {p["name"] for p in data["plugins"]} >= {"torch", "BidRaisesOnSoftmax"}
+    assert plugin_entry(data, "torch")["faults"] == []
+    entry = plugin_entry(data, "BidRaisesOnSoftmax")
+    assert entry["status"] == "active"
+    fault = next(f for f in entry["faults"] if f["hook"] == "dspark_bid")
+    assert "Softmax" in fault["ops"] and "no cost model for Softmax" in fault["reason"] and fault["count"] >= 1
+    softmax = next(p for p in data["partitions"] if "softmax" in p["ops"])
+    assert softmax["plugin"] == "torch"
+    r = with_bad_plugin("BidRaisesOnSoftmax", "plan", "demo")
+    assert r.returncode == 0, r.stderr
+    assert "Plugin failures" in r.stdout and "no cost model for Softmax" in r.stdout
+
+
+@pytest.mark.parametrize("args,hooks", [
+    (("plan", "demo", "--json"), ("dspark_probe_devices", "dspark_bid")),
+    (("run", "demo", "--repeat", "1", "--json"), ("dspark_probe_devices", "dspark_bid", "dspark_compile")),
+])
+def test_trace_prints_every_hook_call(args: tuple[str, ...], hooks: tuple[str, ...]) -> None:
+    r = dspark(*args, extra_env={"DSPARK_TRACE": "1", "DSPARK_PLUGINS": "torch"})
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)  # the trace goes to stderr only
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dspark.trace ")]
+    for hook in hooks:
+        assert any(f"plugin=torch hook={hook} " in ln and "outcome=ok" in ln for ln in lines), (hook, r.stderr[-2000:])
+    assert all(" ms=" in ln and " outcome=" in ln for ln in lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from bad_plugins import FutureApi, Good, Hangs, Misspelled, NoApi, RaisesIn, UnmarkedMisspelled, WrongArgs, WrongTypes
 from dspark import PluginStatus, QuantSpec, TargetModel
 from dspark.llm.speculative.offers import collect_drafters
-from dspark.graph.model import Graph, Op, TensorSpec
+from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
 from dspark.host.inventory import probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
@@ -48,31 +49,123 @@ def test_good_plugin_merges_with_builtin_on_same_device() -> None:
     assert {d.runtime for d in cpu.drivers} == {"good", "torch"}
 
 
-@pytest.mark.parametrize("hook", ["dspark_probe_devices", "dspark_bid", "dspark_compile",
-                                  "dspark_quantize", "dspark_drafters"])
-def test_plugin_raising_in_a_hook_is_reported_and_left_out(hook: str) -> None:
+def relu_sub(rows: int = 2) -> Subgraph:
+    """A one-op subgraph; each ``rows`` gives a different signature."""
+    g = Graph(
+        name="relu", ops=[Op(name="r", op_type="Relu", inputs=["x"], outputs=["y"])],
+        tensors={"x": TensorSpec(name="x", dtype="float32", shape=(rows, 3)),
+                 "y": TensorSpec(name="y", dtype="float32", shape=(rows, 3))},
+        inputs=["x"], outputs=["y"],
+    )
+    return g.subgraph()
+
+
+def test_failed_probe_fails_the_whole_plugin() -> None:
     host = bare_host()
-    host.register(RaisesIn(hook), "bad")
-    inv = probe(host)
-    device = next((d for d in inv.drivers() if d.plugin == "bad"), None)
-    sub = relu_graph().subgraph()
-    if hook == "dspark_bid":
-        assert host.call("bad", hook, subgraph=sub, device=device) is None
-    elif hook == "dspark_compile":
-        assert host.call("bad", hook, subgraph=sub, device=device) is None
-    elif hook == "dspark_quantize":
-        assert host.call("bad", hook, subgraph=sub, device=device, spec=QuantSpec()) is None
-    elif hook == "dspark_drafters":
-        target = TargetModel(name="t", vocab_size=10, num_layers=1, hidden_size=8)
-        assert collect_drafters(host, target) == collect_drafters(host, target)
+    host.register(RaisesIn("dspark_probe_devices"), "bad")
+    probe(host)
     record = host.records["bad"]
     assert record.status == PluginStatus.FAILED
-    assert hook in record.reason and "RuntimeError" in record.reason and "boom" in record.reason
+    assert "dspark_probe_devices" in record.reason and "RuntimeError" in record.reason and "boom" in record.reason
     assert "bad" not in host.active()
-    # The run goes on: the reference still bids, and the failed plugin is no longer called.
-    torch_dev = next(d for d in probe(host).drivers() if d.plugin == "torch")
+    assert [(f.hook, f.charged_to) for f in record.faults] == [("dspark_probe_devices", "plugin")]
+
+
+def _call(host: PluginHost, hook: str, sub: Subgraph, device: object) -> object:
+    if hook == "dspark_quantize":
+        return host.call("bad", hook, subgraph=sub, device=device, spec=QuantSpec())
+    return host.call("bad", hook, subgraph=sub, device=device)
+
+
+@pytest.mark.parametrize("hook", ["dspark_bid", "dspark_compile", "dspark_quantize"])
+def test_failure_is_charged_to_the_subgraph_signature_only(hook: str) -> None:
+    host = bare_host()
+    bad = RaisesIn(hook)
+    host.register(bad, "bad")
+    inv = probe(host)
+    device = next(d for d in inv.drivers() if d.plugin == "bad")
+    sub = relu_sub(2)
+    assert _call(host, hook, sub, device) is None
+    record = host.records["bad"]
+    assert record.status == PluginStatus.ACTIVE and "bad" in host.active()
+    [fault] = record.faults
+    assert (fault.plugin, fault.hook, fault.subgraph, fault.device, fault.count, fault.charged_to) == (
+        "bad", hook, sub.signature(), "cpu", 1, "subgraph")
+    assert "RuntimeError" in fault.reason and "boom" in fault.reason and fault.ops == "Relu"
+    # The same signature (a fresh Subgraph object) is not asked again ...
+    assert _call(host, hook, relu_sub(2), device) is None
+    assert bad.calls[hook] == 1
+    # ... a different one is, and the plugin's other hooks keep working.
+    _call(host, hook, relu_sub(5), device)
+    assert bad.calls[hook] == 2
+    if hook != "dspark_bid":
+        # A failed compile (or quantize) ends the plugin's bids on that signature too ...
+        assert host.call("bad", "dspark_bid", subgraph=sub, device=device) is None
+        assert bad.calls["dspark_bid"] == 0
+        # ... not on others.
+        assert host.call("bad", "dspark_bid", subgraph=relu_sub(8), device=device) is not None
+    # The reference still bids on the subgraph the plugin failed on.
+    torch_dev = next(d for d in inv.drivers() if d.plugin == "torch")
     assert host.call("torch", "dspark_bid", subgraph=sub, device=torch_dev) is not None
-    assert host.call("bad", "dspark_bid", subgraph=sub, device=torch_dev) is None
+
+
+def test_drafter_failure_is_charged_to_the_target_model() -> None:
+    host = bare_host()
+    bad = RaisesIn("dspark_drafters")
+    host.register(bad, "bad")
+    target = TargetModel(name="t", vocab_size=10, num_layers=1, hidden_size=8)
+    first = collect_drafters(host, target)
+    assert collect_drafters(host, target) == first
+    assert bad.calls["dspark_drafters"] == 1  # not asked again for the same model
+    [fault] = host.records["bad"].faults
+    assert fault.subgraph == "model:t" and fault.hook == "dspark_drafters" and "boom" in fault.reason
+    assert host.records["bad"].status == PluginStatus.ACTIVE
+    collect_drafters(host, TargetModel(name="other", vocab_size=10, num_layers=1, hidden_size=8))
+    assert bad.calls["dspark_drafters"] == 2
+
+
+def test_repeated_failures_lose_the_device_then_the_plugin() -> None:
+    host = bare_host(faults_per_device=2, faults_per_plugin=3)
+    bad = RaisesIn("dspark_bid")
+    host.register(bad, "bad")
+    device = next(d for d in probe(host).drivers() if d.plugin == "bad")
+    for rows in (1, 2):
+        assert host.call("bad", "dspark_bid", subgraph=relu_sub(rows), device=device) is None
+    record = host.records["bad"]
+    assert [f.charged_to for f in record.faults] == ["device", "device"]
+    assert record.status == PluginStatus.ACTIVE
+    # A new subgraph on the lost device is not asked about.
+    assert host.call("bad", "dspark_bid", subgraph=relu_sub(7), device=device) is None
+    assert bad.calls["dspark_bid"] == 2
+    # One more failure (here its executable's run) reaches the plugin limit.
+    assert host.charge("bad", "run", "run raised RuntimeError: x", subgraph=relu_sub(9), device="cpu") == "plugin"
+    assert record.status == PluginStatus.FAILED and "DSPARK_FAULTS_PER_PLUGIN=3" in record.reason
+    assert "bad" not in host.active()
+    assert {f.charged_to for f in record.faults} == {"plugin"} and host.fault_count("bad") == 3
+
+
+def test_forgive_takes_a_failed_plugin_back() -> None:
+    host = bare_host(faults_per_plugin=1)
+    host.register(RaisesIn("dspark_bid"), "bad")
+    device = next(d for d in probe(host).drivers() if d.plugin == "bad")
+    host.call("bad", "dspark_bid", subgraph=relu_sub(), device=device)
+    assert host.records["bad"].status == PluginStatus.FAILED
+    host.forgive("bad")
+    assert host.records["bad"].status == PluginStatus.ACTIVE and not host.records["bad"].faults
+    assert host.call("bad", "dspark_compile", subgraph=relu_sub(), device=device) is None  # called again
+    assert host.records["bad"].status == PluginStatus.ACTIVE
+
+
+def test_fault_thresholds_come_from_the_environment() -> None:
+    s = PluginSettings.from_env(env={"DSPARK_FAULTS_PER_DEVICE": "4", "DSPARK_FAULTS_PER_PLUGIN": "12"})
+    assert (s.faults_per_device, s.faults_per_plugin) == (4, 12)
+    d = PluginSettings.from_env(env={})
+    assert (d.faults_per_device, d.faults_per_plugin) == (PluginSettings().faults_per_device,
+                                                          PluginSettings().faults_per_plugin)
+    with pytest.raises(ValueError, match="DSPARK_FAULTS_PER_DEVICE='many'"):
+        PluginSettings.from_env(env={"DSPARK_FAULTS_PER_DEVICE": "many"})
+    with pytest.raises(ValueError, match="DSPARK_FAULTS_PER_PLUGIN='0' must be at least 1"):
+        PluginSettings.from_env(env={"DSPARK_FAULTS_PER_PLUGIN": "0"})
 
 
 def test_wrong_return_types_name_the_plugin_and_field() -> None:
@@ -98,7 +191,9 @@ def test_wrong_types_per_hook(hook: str, kwargs: dict[str, object], expect: str)
     device = next(d for d in inv.drivers() if d.plugin == "wrong")
     assert host.call("wrong", hook, subgraph=relu_graph().subgraph(), device=device, **kwargs) is None
     rec = host.records["wrong"]
-    assert rec.status == PluginStatus.FAILED and expect in rec.reason and hook in rec.reason
+    fault = host.last_fault("wrong")
+    assert rec.status == PluginStatus.ACTIVE and fault is not None and fault.charged_to == "subgraph"
+    assert expect in fault.reason and hook in fault.reason and fault.hook == hook
 
 
 def test_wrong_drafter_type_is_rejected() -> None:
@@ -107,7 +202,8 @@ def test_wrong_drafter_type_is_rejected() -> None:
     target = TargetModel(name="t", vocab_size=10, num_layers=1, hidden_size=8)
     offers = collect_drafters(host, target)
     assert {o.plugin for o in offers} == {"ngram"}  # the built-in lookups; the wrong offer is dropped
-    assert "create" in host.records["wrong"].reason
+    fault = host.last_fault("wrong")
+    assert fault is not None and "create" in fault.reason and fault.hook == "dspark_drafters"
 
 
 def test_malformed_device_is_dropped_with_the_field_named() -> None:
@@ -205,8 +301,8 @@ def test_torch_reference_runs_what_it_bids_on() -> None:
 
 
 def test_torch_op_name_table_matches_kernels() -> None:
-    from dspark.builtin.op_names import TORCH_KERNEL_OPS
-    from dspark.builtin.torch_ops import KERNELS
+    from dspark.sdk.reference.names import TORCH_KERNEL_OPS
+    from dspark.sdk.reference.ops import KERNELS
 
     assert set(KERNELS) == TORCH_KERNEL_OPS
 
@@ -224,5 +320,45 @@ def test_hardware_unavailable_outside_probe_is_a_failure_not_a_crash() -> None:
     host.register(VanishesInBid(), "flaky")
     device = next(d for d in probe(host).drivers() if d.plugin == "flaky")
     assert host.call("flaky", "dspark_bid", subgraph=relu_graph().subgraph(), device=device) is None
-    rec = host.records["flaky"]
-    assert rec.status == PluginStatus.FAILED and "fell off the bus" in rec.reason
+    [fault] = host.records["flaky"].faults
+    assert fault.hook == "dspark_bid" and "HardwareUnavailable" in fault.reason and "fell off the bus" in fault.reason
+    assert host.records["flaky"].status == PluginStatus.ACTIVE
+
+
+def test_hanging_bid_fails_the_whole_plugin() -> None:
+    from bad_plugins import Good
+    from dspark import hookimpl
+
+    release = threading.Event()
+
+    class HangsInBid(Good):
+        @hookimpl
+        def dspark_bid(self, subgraph: object, device: object) -> None:
+            release.wait(30)
+
+    host = bare_host()
+    host.register(HangsInBid(), "slow")
+    device = next(d for d in probe(host).drivers() if d.plugin == "slow")
+    host.settings.timeout_override_s = 0.3
+    try:
+        assert host.call("slow", "dspark_bid", subgraph=relu_sub(), device=device) is None
+    finally:
+        release.set()
+    rec = host.records["slow"]
+    assert rec.status == PluginStatus.FAILED and "did not return within 0.3 s" in rec.reason
+    assert rec.faults[0].charged_to == "plugin"
+
+
+def test_trace_prints_every_hook_call_at_the_default_log_level(capsys: pytest.CaptureFixture[str]) -> None:
+    host = bare_host(trace=True)
+    host.register(RaisesIn("dspark_bid"), "bad")
+    inv = probe(host)
+    for d in inv.drivers():
+        host.call(d.plugin, "dspark_bid", subgraph=relu_sub(), device=d)
+    host.call("bad", "dspark_bid", subgraph=relu_sub(), device=next(d for d in inv.drivers() if d.plugin == "bad"))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("dspark.trace ")]
+    assert any("plugin=torch hook=dspark_probe_devices" in ln and "outcome=ok" in ln for ln in lines)
+    assert any("plugin=torch hook=dspark_bid" in ln and "outcome=ok" in ln for ln in lines)
+    assert any("plugin=bad hook=dspark_bid" in ln and "outcome=raised" in ln and "boom" in ln for ln in lines)
+    assert any("plugin=bad hook=dspark_bid" in ln and "outcome=skipped" in ln for ln in lines)
+    assert all(" ms=" in ln for ln in lines)

@@ -126,6 +126,27 @@ class PluginStatus(str, Enum):
     BLOCKED = "blocked"
 
 
+FaultScope = Literal["subgraph", "device", "plugin"]
+
+
+class PluginFault(BaseModel):
+    """One kind of failure of one plugin, counted (API 1.4): shown by ``dspark devices`` and ``dspark plan``.
+
+    ``charged_to`` is what the failure cost the plugin: only that subgraph
+    signature on that device, the whole device, or the whole plugin (see
+    docs/plugins.md, "Fault rules").
+    """
+
+    plugin: str
+    hook: str = Field(description="The hook that failed, or 'run' for a compiled executable's run().")
+    subgraph: str | None = Field(None, description="Signature of the subgraph (Subgraph.signature()), if any.")
+    ops: str = Field("", description="The subgraph's op types, for people.")
+    device: str | None = None
+    reason: str
+    count: int = Field(1, ge=1)
+    charged_to: FaultScope = "subgraph"
+
+
 class PluginRecord(BaseModel):
     """What the core knows about one plugin: shown by ``dspark devices``."""
 
@@ -138,6 +159,7 @@ class PluginRecord(BaseModel):
     reason: str = ""
     devices: list[str] = Field(default_factory=list)
     unavailable: list[Unavailable] = Field(default_factory=list, description="What it found but cannot drive.")
+    faults: list[PluginFault] = Field(default_factory=list, description="Every failure so far, counted (API 1.4).")
 
 
 class QuantSpec(_Strict):

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from dspark.cli.app import JsonOpt, PluginOpt, _fmt_bytes, _fmt_rate, app, err, host_from_cli, out
+from dspark.cli.faults import print_faults
 
 
 @app.command()
@@ -18,10 +19,14 @@ def devices(
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-run cached microbenchmarks.")] = False,
     plugin: PluginOpt = None,
 ) -> None:
-    """List every device, the plugins/runtimes that drive it, and every plugin's status."""
+    """List every device, the plugins/runtimes that drive it, and every plugin's status and failures."""
     from dspark.host.inventory import probe
 
     host = host_from_cli(plugin)
+    if refresh:  # calibrations are microbenchmarks too: the next plan measures them again
+        from dspark.sdk.calibration import clear as clear_calibrations
+
+        clear_calibrations()
     if sys.stderr.isatty() and not as_json:
         with err.status("probing devices..."):
             inv = probe(host, refresh=refresh)
@@ -54,6 +59,7 @@ def devices(
                        " ".join(p.devices) or "-",
                        "\n".join([p.reason] * bool(p.reason) + [f"{u.what}: {u.reason}" for u in p.unavailable if u.reason not in p.reason]))
     out.print(ptable)
+    print_faults(inv.plugins, out)
 
 
 @app.command()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 from dspark.cli import app as _cli  # noqa: E402
 from dspark.cli.app import JsonOpt, PluginOpt, app, err, out  # noqa: E402
+from dspark.cli.faults import faults_json, print_faults  # noqa: E402
 
 
 class CLIError(Exception):
@@ -152,9 +153,11 @@ def plan_cmd(
         if save is not None:
             plan.save(save)
         if as_json:
-            print(json.dumps(plan.to_json_dict(), indent=2))
+            # "plugins" (every plugin's status and failures) is for people and tools; --save keeps the plan only.
+            print(json.dumps({**plan.to_json_dict(), "plugins": faults_json(host.records.values())}, indent=2))
             return
         _print_plan(graph, plan, plan_s)
+        print_faults(host.records.values(), out)
         _warn_memory(graph, plan, inv)
         if save is not None:
             out.print(f"saved to {escape(str(save))}")
@@ -226,9 +229,14 @@ def run_cmd(
     as_json: JsonOpt = False,
     plugin: PluginOpt = None,
 ) -> None:
-    """Execute MODEL on its plan; show predicted vs measured time and the error vs the torch reference."""
+    """Execute MODEL on its plan; show predicted vs measured time and the error vs the torch reference.
+
+    A partition whose compile or run fails is planned around (its bid dropped) and the run goes on;
+    the failures are shown.
+    """
     import numpy as np
-    from dspark.placement.executor import compile_plan, reference_outputs
+    from dspark.placement.executor import reference_outputs
+    from dspark.placement.fallback import compile_with_fallback
     from dspark.types import TOLERANCES
 
     with _errors():
@@ -240,14 +248,15 @@ def run_cmd(
         if why and not as_json:
             err.print(f"re-planning: {escape(why)}")
         with _spinner("compiling and running...", as_json):
-            compiled = compile_plan(graph, plan, host, inv)
-            compiled.run(feed)  # warm-up
+            resilient = compile_with_fallback(graph, host, inv, plan)
+            resilient.run(feed)  # warm-up; a partition failing here is planned around
             walls: list[float] = []
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                result = compiled.run(feed)
+                result = resilient.run(feed)
                 walls.append((time.perf_counter() - t0) * 1e3)
             ref = reference_outputs(graph, feed)
+        plan, compiled = resilient.plan, resilient.compiled
         measured = compiled.measured_ms()
         precisions = [p.precision for p in plan.partitions]
         worst = max(precisions, key=lambda p: TOLERANCES.get(p, TOLERANCES["float32"])[0])
@@ -258,7 +267,7 @@ def run_cmd(
         report: dict[str, Any] = {
             "model": graph.name,
             "plan_source": "planned" if plan_s is not None else "loaded",
-            "replan_reason": why, "plan_time_s": plan_s, "compile_s": compiled.compile_s, "repeat": repeat,
+            "replan_reason": why, "plan_time_s": plan_s, "compile_s": resilient.compile_s, "repeat": repeat,
             "partitions": [{"id": p.id, "target": p.target.key, "runtime": p.target.runtime, "ops": len(p.ops),
                             "predicted_ms": p.predicted_ms, "measured_ms": measured.get(p.id)}
                            for p in plan.partitions],
@@ -267,11 +276,15 @@ def run_cmd(
             "max_abs_error": max(errors.values(), default=0.0), "errors": errors,
             "tolerance": {"precision": worst, "rtol": rtol, "atol": atol}, "ok": ok,
             "plan": plan.to_json_dict(),
+            "fallbacks": [f.to_json_dict() for f in resilient.fallbacks],
+            "plugins": faults_json(host.records.values()),
         }
+        resilient.close()
         if as_json:
             print(json.dumps(report, indent=2))
         else:
             _print_run(report)
+            print_faults(host.records.values(), out)
         if not ok:
             raise typer.Exit(1)
 
@@ -289,6 +302,9 @@ def _print_run(r: dict[str, Any]) -> None:
     source = "saved plan reused" if r["plan_source"] == "loaded" else f"planned in {r['plan_time_s']:.2f} s"
     out.print(f"total: predicted {r['predicted_total_ms']:.3f} ms, measured {r['measured_total_ms']:.3f} ms "
               f"(end to end, incl. transfers); {source}; compiled in {r['compile_s']:.2f} s")
+    for f in r["fallbacks"]:
+        out.print(f"[yellow]fallback:[/] {f['stage']} of partition {f['partition']} on {f['target']} failed "
+                  f"({escape(f['reason'])}); re-planned without that bid", soft_wrap=True)
     tol = r["tolerance"]
     verdict = "[green]ok[/]" if r["ok"] else "[red]EXCEEDS TOLERANCE[/]"
     out.print(f"max |error| vs torch fp32 reference: {r['max_abs_error']:.2e} "

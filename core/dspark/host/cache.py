@@ -2,7 +2,8 @@
 
 Entries live under ``$DSPARK_CACHE_DIR`` (default ``~/.cache/dspark``), one
 file per namespace and key; the key should include everything that changes
-the measured value (runtime version, CPU model, ...).
+the measured value (runtime version, CPU model, ...). ``dspark cache list``
+and ``dspark cache clear`` show and drop them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,59 @@ def store(namespace: str, key: Any, value: Any) -> None:
     os.replace(tmp, path)  # atomic: concurrent readers see old or new, never half
 
 
-def clear(namespace: str) -> None:
+def delete(namespace: str, key: Any) -> bool:
+    """Remove one entry; whether there was one."""
+    path = _path(namespace, key)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def clear(namespace: str) -> int:
+    """Remove every entry of ``namespace``; how many there were."""
     d = cache_dir() / namespace
+    removed = 0
     if d.is_dir():
         for p in d.glob("*.json"):
             p.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached entry as found on disk (``key`` and ``value`` None when the file is unreadable)."""
+
+    namespace: str
+    path: Path
+    size: int
+    mtime: float
+    key: Any
+    value: Any
+
+
+def namespaces() -> list[str]:
+    """The namespaces that hold entries, sorted."""
+    root = cache_dir()
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and any(d.glob("*.json")))
+
+
+def entries(namespace: str) -> list[Entry]:
+    """Every entry of ``namespace``, oldest first."""
+    found = []
+    for p in (cache_dir() / namespace).glob("*.json"):
+        try:
+            stat = p.stat()
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            data = json.loads(p.read_text())
+            key, value = (data.get("key"), data.get("value")) if isinstance(data, dict) else (None, None)
+        except (OSError, ValueError):
+            key = value = None
+        found.append(Entry(namespace, p, stat.st_size, stat.st_mtime, key, value))
+    return sorted(found, key=lambda e: e.mtime)

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from dspark.host.plugin_manager import PluginHost
-from dspark.types import Device, HardwareUnavailable, PluginRecord, PluginStatus, Unavailable
+from dspark.types import Device, HardwareUnavailable, PluginFault, PluginRecord, PluginStatus, Unavailable
 
 
 class DeviceEntry(BaseModel):
@@ -67,6 +67,10 @@ class Inventory(BaseModel):
     def drivers(self) -> list[Device]:
         """Every (device, plugin) pair, the unit the placer assigns ops to."""
         return [drv for d in self.devices for drv in d.drivers]
+
+    def faults(self) -> list[PluginFault]:
+        """Every plugin's recorded failures (each plugin's record holds its own, updated as they happen)."""
+        return [f for p in self.plugins for f in p.faults]
 
     def to_json_dict(self) -> dict[str, Any]:
         return {

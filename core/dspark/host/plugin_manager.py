@@ -3,9 +3,11 @@
 Built-ins load first, then every ``dspark`` entry point, then modules named
 with ``-p MODULE``. Each plugin is checked when it registers (declared API
 version, unique name, hook names and argument names) and every call into it
-runs in a worker thread with a timeout; whatever goes wrong is recorded on
-the plugin's :class:`~dspark.types.PluginRecord` and the plugin is left out
-of later calls. Nothing a plugin does can stop the run.
+runs in a worker thread with a timeout. Whatever goes wrong is recorded on
+the plugin's :class:`~dspark.types.PluginRecord` (``faults``) and charged to
+the smallest thing that failed (:mod:`dspark.host.faults`): the subgraph
+signature on that device, then the device, then the whole plugin, which is
+then left out of later calls. Nothing a plugin does can stop the run.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from pydantic import TypeAdapter, ValidationError
 
 from dspark import hookspecs
 from dspark.graph.model import Subgraph
+from dspark.host import trace
+from dspark.host.faults import FaultLedger, describe, scope_of
 from dspark.host.log import get_logger
 from dspark.host.settings import PluginSettings
 from dspark.types import (
-    Bid, Device, DrafterSpec, Executable, HardwareUnavailable, PluginRecord, PluginStatus,
-    Unavailable,
+    Bid, Device, DrafterSpec, Executable, FaultScope, HardwareUnavailable, PluginFault, PluginRecord,
+    PluginStatus, Unavailable,
 )
 
 log = get_logger("dspark.plugins")
 
 BUILTINS: dict[str, str] = {
-    "torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram", "drafters": "dspark.builtin.drafters",
+    "torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram", "drafters": "dspark.llm.speculative.builtin_plugin",
 }
 ENTRY_POINT_GROUP = "dspark"
 
@@ -84,7 +88,9 @@ class PluginHost:
         self.pm = _PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
+        self.faults = FaultLedger(self.settings)
         self._lock = threading.Lock()
+        self._parked: dict[str, tuple[object, PluginStatus, str]] = {}  # failed plugins, for forgive()
 
     # -- loading -------------------------------------------------------------
 
@@ -166,6 +172,7 @@ class PluginHost:
         return record
 
     def _set(self, record: PluginRecord) -> None:
+        record.faults = self.faults.of(record.name)
         with self._lock:
             self.records[record.name] = record
 
@@ -181,12 +188,51 @@ class PluginHost:
             record = self.records[name]
             if record.status == PluginStatus.FAILED:
                 return
+            before = record.status, record.reason
             record.status = PluginStatus.FAILED
             record.reason = reason
         plugin = self.pm.get_plugin(name)
         if plugin is not None:
             self.pm.unregister(plugin)
+            self._parked[name] = (plugin, *before)
         log.warning("plugin.failed", plugin=name, reason=reason)
+
+    def charge(self, name: str, hook: str, reason: str, *, subgraph: Subgraph | None = None,
+               device: str | None = None, fatal: bool = False) -> FaultScope:
+        """Record a failure of ``name`` found outside a hook call (e.g. its executable's ``run``)."""
+        sig, ops = (subgraph.signature(), describe(subgraph)) if subgraph is not None else (None, "")
+        return self._charge(name, hook, reason, sig, ops, device, fatal)
+
+    def _charge(self, name: str, hook: str, reason: str, signature: str | None, ops: str,
+                device: str | None, fatal: bool) -> FaultScope:
+        scope = self.faults.charge(name, hook, reason, signature=signature, ops=ops, device=device, fatal=fatal)
+        if scope == "plugin":
+            count = self.faults.count(name)
+            if not fatal and signature is not None:
+                reason = (f"{reason} (failure {count}: DSPARK_FAULTS_PER_PLUGIN="
+                          f"{self.settings.faults_per_plugin} reached)")
+            self.fail(name, reason)
+        else:
+            log.warning("plugin.fault", plugin=name, hook=hook, subgraph=signature, ops=ops, device=device,
+                        charged_to=scope, reason=reason)
+        return scope
+
+    def last_fault(self, name: str) -> PluginFault | None:
+        """The fault recorded most recently for ``name``."""
+        return self.faults.last(name)
+
+    def fault_count(self, name: str) -> int:
+        return self.faults.count(name)
+
+    def forgive(self, name: str) -> None:
+        """Clear ``name``'s faults and exclusions and take it back if they failed it (conformance kit)."""
+        self.faults.forgive(name)
+        parked = self._parked.pop(name, None)
+        if parked is not None:
+            plugin, status, reason = parked
+            self.pm.register(plugin, name=name)
+            record = self.records[name]
+            record.status, record.reason = status, reason
 
     def implements(self, name: str, hook: str) -> bool:
         return self._impl(name, hook) is not None
@@ -204,48 +250,56 @@ class PluginHost:
         """Call one plugin's ``hook`` in isolation; validated result, or None.
 
         None is returned when the plugin abstains, does not implement the
-        hook, or failed (it is then reported and left out).
+        hook, was excluded by an earlier failure on this subgraph or device,
+        or fails now (the failure is then charged, see :mod:`dspark.host.faults`).
         """
         if name not in self.active():
             return None
         impl = self._impl(name, hook)
         if impl is None:
             return None
+        scope: tuple[str | None, str, str | None] | None = None
+        if self.faults.any(name):  # signatures are only computed once the plugin has failed somewhere
+            scope = scope_of(kwargs)
+            if (why := self.faults.refusal(name, scope[0], scope[2])) is not None:
+                if self.settings.trace:
+                    trace.emit(name, hook, 0.0, "skipped", why)
+                return None
         args = [kwargs[a] for a in impl.argnames]
         timeout = self.settings.timeout_for(hook)
         start = time.perf_counter()
-        outcome = "ok"
+        outcome, detail = "ok", ""
+        fatal = hook == "dspark_probe_devices"  # a plugin that cannot say what it drives is out
         try:
             raw = _call_with_timeout(impl.function, args, timeout, f"{name}.{hook}")
             result = _validate(hook, name, raw, kwargs)
+            if result is None:
+                outcome = "abstained"
+            return result
         except HardwareUnavailable as exc:
-            if hook == "dspark_probe_devices":
+            if fatal:
                 outcome = "no hardware"
                 raise
-            outcome = "raised"  # only probing may say the hardware is gone; elsewhere it is a failure
-            self.fail(name, f"{hook} raised HardwareUnavailable: {exc}")
-            return None
+            # Only probing may say the hardware is gone; elsewhere it is a failure.
+            outcome, detail = "raised", f"{hook} raised HardwareUnavailable: {exc}"
         except HookTimeout:
-            outcome = "timeout"
-            self.fail(name, f"{hook} did not return within {timeout:g} s")
-            return None
+            outcome, detail, fatal = "timeout", f"{hook} did not return within {timeout:g} s", True
         except PluginError as exc:
-            outcome = "invalid"
-            self.fail(name, str(exc))
-            return None
+            outcome, detail = "invalid", str(exc)
         except Exception as exc:
-            outcome = "raised"
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            self.fail(name, f"{hook} raised {type(exc).__name__}: {exc} "
-                            f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
-            return None
+            outcome, detail = "raised", (f"{hook} raised {type(exc).__name__}: {exc} "
+                                         f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
         finally:
             if self.settings.trace:
-                log.info("hook.call", plugin=name, hook=hook, outcome=outcome,
-                         ms=round((time.perf_counter() - start) * 1e3, 3),
+                elapsed = time.perf_counter() - start
+                trace.emit(name, hook, elapsed, outcome, detail)
+                log.info("hook.call", plugin=name, hook=hook, outcome=outcome, ms=round(elapsed * 1e3, 3),
                          args={k: _summary(v, 80) for k, v in kwargs.items()},
                          result=_summary(locals().get("raw")) if outcome == "ok" else None)
-        return result
+        sig, ops, device = scope if scope is not None else scope_of(kwargs)
+        self._charge(name, hook, detail, sig, ops, device, fatal)
+        return None
 
     def call_all(self, hook: str, names: Iterable[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         """Call ``hook`` on every active plugin concurrently; {plugin: result}.

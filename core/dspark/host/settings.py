@@ -21,7 +21,14 @@ class PluginSettings(BaseModel):
     ``NAME`` allows only the named plugins, ``no:NAME`` blocks one.
     ``DSPARK_DISABLE_PLUGIN_AUTOLOAD=1`` loads no entry points (built-ins and
     ``-p MODULE`` plugins still load). ``DSPARK_HOOK_TIMEOUT`` (seconds)
-    overrides every hook's timeout. ``DSPARK_TRACE=1`` logs every hook call.
+    overrides every hook's timeout. ``DSPARK_TRACE=1`` prints every hook call
+    (plugin, hook, duration, outcome) on stderr.
+
+    Fault thresholds (docs/plugins.md, "Fault rules"): a failing bid, compile,
+    quantize or run is charged to its subgraph signature on that device; after
+    ``DSPARK_FAULTS_PER_DEVICE`` distinct failing signatures on one device the
+    plugin loses that device; after ``DSPARK_FAULTS_PER_PLUGIN`` failures in
+    all, or one failed probe or hook timeout, the whole plugin is failed.
     """
 
     blocked: set[str] = Field(default_factory=set)
@@ -30,6 +37,9 @@ class PluginSettings(BaseModel):
     extra_modules: list[str] = Field(default_factory=list)
     timeout_override_s: float | None = Field(None, gt=0)
     trace: bool = False
+    faults_per_device: int = Field(3, ge=1, description="Distinct failing subgraph signatures on one "
+                                   "device before the plugin loses that device.")
+    faults_per_plugin: int = Field(10, ge=1, description="Failures in all before the whole plugin is failed.")
 
     def timeout_for(self, hook: str) -> float:
         return self.timeout_override_s or DEFAULT_TIMEOUTS_S.get(hook, 60.0)
@@ -61,6 +71,9 @@ class PluginSettings(BaseModel):
             else:
                 extra.append(spec)
         timeout = env.get("DSPARK_HOOK_TIMEOUT")
+        limits = {field: _whole_number(env, var) for field, var in
+                  (("faults_per_device", "DSPARK_FAULTS_PER_DEVICE"), ("faults_per_plugin", "DSPARK_FAULTS_PER_PLUGIN"))
+                  if env.get(var, "").strip()}
         return cls(
             blocked=blocked,
             allowed=allowed or None,
@@ -68,4 +81,16 @@ class PluginSettings(BaseModel):
             extra_modules=extra,
             timeout_override_s=float(timeout) if timeout else None,
             trace=env.get("DSPARK_TRACE", "") not in ("", "0", "false", "no"),
+            **limits,
         )
+
+
+def _whole_number(env: dict[str, str], var: str) -> int:
+    text = env[var].strip()
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {var}={text!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"environment variable {var}={text!r} must be at least 1")
+    return value

@@ -11,6 +11,11 @@ model) by more than ``threshold``, or when a device's free memory drops
 below what the current plan keeps there, the new plan is compiled, warmed up
 and swapped in between runs: a run in flight finishes on the plan it started
 with, and callers never wait for a re-plan done by another thread.
+
+A partition whose compile or run fails is charged to its plugin (see
+:mod:`dspark.host.faults`), its target's bids for those ops leave the bid
+table, and the runner re-plans and goes on: a long-running process does not
+lose a runtime, or stop, because one subgraph would not compile or run.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 from dspark.placement import placer
-from dspark.placement.executor import CompiledPlan, Span, compile_plan, random_inputs
+from dspark.placement.executor import CompiledPlan, PartitionFailed, Span, compile_plan, random_inputs
 from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
@@ -56,6 +61,14 @@ class _Active:
     compiled: CompiledPlan
     raw_ms: dict[int, float]  # partition id -> prediction without any correction
     runs: int = 0
+
+
+class _StageFailed(Exception):
+    """A partition failed while installing a plan: at compile or at the warm-up run."""
+
+    def __init__(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
+        super().__init__(str(exc))
+        self.exc, self.stage = exc, stage
 
 
 @dataclass
@@ -124,11 +137,12 @@ class AdaptiveRunner:
         self._swap = threading.Lock()  # guards self._active
         self._stats = threading.Lock()  # guards ratios, samples, history, counters
         self._adapting = threading.Lock()  # one re-plan at a time; others keep running
+        self._recovering = threading.Lock()  # one recovery from a failed partition at a time
         self._runs = 0
         self._next_check = self.replan_every
         self._backoff = 1
         self._refresh_memory()
-        self._active = self._install(*self._plan(), version=0)
+        self._active = self._install_fresh(version=0)
 
     # -- public --------------------------------------------------------------
 
@@ -142,9 +156,14 @@ class AdaptiveRunner:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once on the current plan, learn from the timings, maybe swap the plan for later runs."""
-        with self._swap:
-            active = self._active
-        outputs, spans = active.compiled.run_timed(inputs)
+        while True:
+            with self._swap:
+                active = self._active
+            try:
+                outputs, spans = active.compiled.run_timed(inputs)
+                break
+            except PartitionFailed as exc:
+                self._recover(active, exc)
         reason = self._observe(active, spans)
         if reason is not None:
             self.adapt(reason)
@@ -207,10 +226,48 @@ class AdaptiveRunner:
                 new = placer.plan(self.graph, self.host, self.inv, table=table)
         return new, ratios
 
+    def _drop(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
+        """Charge a failed partition to its plugin and take its target's bids for those ops out."""
+        part = exc.partition
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        if stage == "run":  # a compile failure was charged by the host call itself
+            self.host.charge(part.target.plugin, "run", f"run raised {type(cause).__name__}: {cause}",
+                             subgraph=self.graph.subgraph(part.ops), device=part.target.device_id)
+        for op in part.ops:
+            self.table.op_bids.get(op, {}).pop(part.target.key, None)
+        self.replans.append(f"{stage} of partition {part.id} on {part.target.key} failed ({cause}); "
+                            "re-planning without that bid")
+        log.warning("adaptive.partition_failed", stage=stage, partition=part.id, target=part.target.key,
+                    reason=str(cause))
+
+    def _install_fresh(self, version: int) -> _Active:
+        """Plan and install, planning around partitions that fail (each failure drops at least one bid)."""
+        while True:
+            try:
+                return self._install(*self._plan(), version=version)
+            except _StageFailed as failed:
+                self._drop(failed.exc, failed.stage)
+
+    def _recover(self, failed: _Active, exc: PartitionFailed) -> None:
+        with self._recovering:
+            if self._active is not failed:
+                return  # another caller recovered already; run again on its plan
+            self._drop(exc, "run")
+            installed = self._install_fresh(version=failed.version + 1)
+            with self._swap:
+                self._active = installed
+
     def _install(self, plan: Plan, ratios: dict[Key, float], version: int) -> _Active:
-        compiled = compile_plan(self.graph, plan, self.host, self.inv, lock_by=self.lock_by)
+        try:
+            compiled = compile_plan(self.graph, plan, self.host, self.inv, lock_by=self.lock_by)
+        except PartitionFailed as exc:
+            raise _StageFailed(exc, "compile") from exc
         if self.warmup:  # first calls pay one-off costs (allocation, kernel selection)
-            compiled.run_timed(random_inputs(self.graph))
+            try:
+                compiled.run_timed(random_inputs(self.graph))
+            except PartitionFailed as exc:
+                compiled.close()
+                raise _StageFailed(exc, "run") from exc
         # predicted_ms already carries the corrections the plan was made with; keep the raw bid.
         raw = {p.id: p.predicted_ms / self._factor(p.plugin, p.device, self._op_types(p.ops), ratios)
                for p in plan.partitions}
@@ -296,7 +353,11 @@ class AdaptiveRunner:
             return False
         why = reason if memory else (f"faster: corrected prediction {new.predicted_total_ms:.3f} ms vs current "
                                      f"plan {current:.3f} ms ({1 - new.predicted_total_ms / current:.0%} less)")
-        installed = self._install(new, ratios, version=active.version + 1)
+        try:
+            installed = self._install(new, ratios, version=active.version + 1)
+        except _StageFailed as failed:
+            self._drop(failed.exc, failed.stage)  # the next check plans without that bid
+            return False
         with self._swap:
             self._active = installed
         with self._stats:

@@ -19,13 +19,25 @@ def collect_bids(host: PluginHost, inventory: Inventory, subgraph: Subgraph) -> 
 
 
 def compile_on(host: PluginHost, device: Device, subgraph: Subgraph) -> Executable:
-    """Compile with the plugin that owns ``device``; a refusal after a bid is an error."""
-    exe = host.call(device.plugin, "dspark_compile", subgraph=subgraph, device=device)
+    """Compile with the plugin that owns ``device``; a refusal after a bid is an error.
+
+    Every failure is charged to the plugin (a refusal too), so the plugin is
+    not asked about this subgraph signature on this device again.
+    """
+    plugin = device.plugin
+    why = host.faults.refusal(plugin, subgraph.signature(), device.id) if host.faults.any(plugin) else None
+    before = host.fault_count(plugin)
+    exe = None if why else host.call(plugin, "dspark_compile", subgraph=subgraph, device=device)
     if exe is None:
-        record = host.records.get(device.plugin)
-        why = record.reason if record and record.reason else "it returned None after bidding"
-        raise RuntimeError(f"plugin {device.plugin!r} could not compile {len(subgraph.ops)} op(s) "
-                           f"for {device.id}: {why}")
+        record = host.records.get(plugin)
+        if why is None and host.fault_count(plugin) > before and (fault := host.last_fault(plugin)) is not None:
+            why = fault.reason
+        elif why is None and record is not None and plugin not in host.active():
+            why = f"plugin is {record.status.value}: {record.reason}"
+        elif why is None:
+            why = "dspark_compile returned None after bidding"
+            host.charge(plugin, "dspark_compile", why, subgraph=subgraph, device=device.id)
+        raise RuntimeError(f"plugin {plugin!r} could not compile {len(subgraph.ops)} op(s) for {device.id}: {why}")
     return exe
 
 

@@ -210,6 +210,9 @@ class CompiledPlan:
             for k, s in spans.items():
                 self.history[k].append(s.ms)
             self.runs += 1
+        from dspark.sdk.calibration import observe_run  # real run times correct the calibrations bids used
+
+        observe_run(self, spans, env)
         return {name: env[name] for name in self.graph.outputs}, spans
 
     def _run_one(self, pid: int, env: dict[str, np.ndarray], spans: dict[int, Span]) -> dict[str, np.ndarray]:
@@ -263,7 +266,7 @@ def compile_plan(graph: Graph, plan: Plan, host: PluginHost, inv: Inventory, *,
 
 def reference_outputs(graph: Graph, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The fp32 torch reference for the whole graph on the host (independent of any plugin host)."""
-    from dspark.builtin.torch_ref import TorchExecutable
+    from dspark.sdk.reference.executable import TorchExecutable
 
     feed = {n: _as_declared(graph, n, inputs[n]) for n in graph.inputs}
     out = TorchExecutable(graph.subgraph(), "cpu").run(feed)

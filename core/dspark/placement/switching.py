@@ -55,6 +55,12 @@ def switch_overhead(host: PluginHost, a: Device, b: Device, rounds: int = 30) ->
     if any(e is None for e in exes):
         return 0.0  # cannot measure; transfers still count the copy and the call overhead
     feed = {"x": np.random.default_rng(1).standard_normal((256, 512)).astype(np.float32)}
+    for d, exe in zip((a, b), exes, strict=True):
+        try:
+            exe.run(feed)
+        except Exception as exc:  # the plugin's fault, charged to it; planning goes on without the figure
+            host.charge(d.plugin, "run", f"run raised {type(exc).__name__}: {exc}", subgraph=sub, device=d.id)
+            return 0.0
     ea, eb = exes
     with hostinfo.cpu_benchmark_lock:
         t_a = time_call(lambda: ea.run(feed), warmup=3, repeat=rounds, budget_s=1.0)
