@@ -1,4 +1,4 @@
-"""Calibrated bids: every CPU runtime times the real subgraph once, caches it, and bids it.
+"""Calibrated bids: every CPU runtime times the real subgraph, caches it, and bids it.
 
 Timings on a shared machine are noisy: assertions compare sizes that differ
 by orders of magnitude, or allow a factor of 3 and re-measure before failing.
@@ -133,7 +133,7 @@ def test_big_matmul_bids_more_than_small(name: str, devices: dict[str, Device]) 
 def test_calibrated_predictions_track_measured_latency(name: str, devices: dict[str, Device]) -> None:
     device, plugin = devices[name], PLUGINS[name]
     # Small enough that no runtime splits them across threads: on a loaded host, a multi-threaded
-    # kernel waiting for a descheduled worker can take 100x longer for seconds at a time.
+    # kernel waiting for a descheduled worker can take many times longer, for seconds at a time.
     for sg in (_matmul(32, 64, 64).subgraph(), op_case("chain_attention").graph.subgraph()):
         predicted = _bid(name, sg, device).latency_s
         exe = plugin.dspark_compile(sg, device)

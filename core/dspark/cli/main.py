@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli import bench as _bench  # noqa: F401  (registers bench)
+from dspark.cli import cache as _cache  # noqa: F401  (registers cache)
 from dspark.cli import convert as _convert
 from dspark.cli import devices as _devices  # noqa: F401  (registers devices, demo)
 from dspark.cli import plan as _plan  # noqa: F401  (registers plan, run)
