@@ -181,3 +181,20 @@ def test_pytest_base_class_turns_findings_into_failures_and_skips() -> None:
         suite.test_quantize()
     with pytest.raises(pytest.skip.Exception, match="not implemented"):
         suite.test_drafters()
+
+
+def test_kit_runs_onnx_node_tests_of_the_op_types_a_plugin_bids_on() -> None:
+    from dspark.testing.kit import ConformanceKit
+    from dspark.testing.node_kit import CHECK, check_onnx_nodes, single_op_cases
+
+    relu_cases = {c.name for c in single_op_cases({"Relu"})["Relu"]}
+    kit = ConformanceKit("broken", _host(IdentityRelu(), "broken"))
+    results = check_onnx_nodes(kit, per_op=None, op_types={"Relu", "Sigmoid", "Shape"})
+    failing = {r.case for r in results if not r.ok}
+    assert failing == relu_cases and all(r.check == CHECK for r in results)
+    assert all("Relu: wrong" in r.detail for r in results if not r.ok)
+    passed = {r.case for r in results if r.ok and not r.skipped}
+    assert {"test_sigmoid", "test_shape"} <= passed
+    # The per-op sample: at most per_op cases of each op type the plugin bid on.
+    sample = check_onnx_nodes(ConformanceKit("torch"), per_op=1, op_types={"Shape"})
+    assert len([r for r in sample if r.ok and not r.skipped]) == 1

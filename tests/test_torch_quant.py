@@ -1,4 +1,4 @@
-"""The torch plugin's quantized kernels (dspark.builtin.torch_quant) against the canonical reference.
+"""The torch plugin's quantized kernels (dspark.sdk.reference.quant_kernels) against the canonical reference.
 
 The kernels take bfloat16 activations (their float32 paths are scalar code),
 so they match ``reference_linear`` within the int8/int4 tolerances, not to
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dspark.sdk import calibration
-from dspark.builtin import torch_quant, torch_ref
+from dspark.builtin import torch_ref
+from dspark.sdk.reference import quant_kernels as torch_quant
 from dspark.graph.model import Subgraph
 from dspark.sdk.quant import QuantizedWeight, linear_subgraph, quantize_weight, reference_linear
 from dspark.testing import compare, op_case

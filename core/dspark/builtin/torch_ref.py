@@ -1,12 +1,12 @@
 """The hardware-neutral torch reference backend (plugin name ``torch``).
 
 It can run any op on any torch device, so every op always has a bidder:
-ONNX ops are executed with torch kernels (:mod:`dspark.builtin.torch_ops`);
+ONNX ops are executed with torch kernels (:mod:`dspark.sdk.reference.ops`);
 the few that have none run through ``onnx.reference`` on the host. Its
 numbers are the reference every other plugin is checked against.
 
 Quantized variants (CPU only) run real int8/int4 kernels
-(:mod:`dspark.builtin.torch_quant`). On the CPU, the LLM's unit, a one-op
+(:mod:`dspark.sdk.reference.quant_kernels`). On the CPU, the LLM's unit, a one-op
 linear ``x @ W`` (:func:`dspark.sdk.quant.linear_subgraph`), float or
 quantized, compiles to a lean :class:`LinearExecutable` with ``run_torch``:
 it sits in the decode loop, and its bid then times the kernel as the engine
@@ -21,17 +21,22 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-from functools import partial
 from typing import Any
 
-import numpy as np
-
+from dspark.graph.model import Subgraph
+from dspark.hookspecs import hookimpl
 from dspark.host import cache, hostinfo
 from dspark.sdk import calibration
-from dspark.builtin.op_names import TORCH_KERNEL_OPS
-from dspark.graph.model import Op, Subgraph
-from dspark.hookspecs import hookimpl
-from dspark.sdk.quant import LINEAR_INPUT, LINEAR_OUTPUT, quantizable_weights, quantize_weight
+from dspark.sdk.quant import (
+    quantizable_weights,
+    quantize_weight,
+)
+from dspark.sdk.reference.executable import (
+    LinearExecutable,
+    TorchExecutable,
+    linear_executable,
+)
+from dspark.sdk.reference.support import host_only_ops, subgraph_problem
 from dspark.types import Bid, Device, QuantSpec
 
 DSPARK_API_VERSION = "1.2"  # run_torch on LinearExecutable
@@ -110,13 +115,11 @@ def dspark_probe_devices(refresh: bool) -> list[Device]:
     return devices
 
 
-def _supported(op: Op) -> bool:
-    return op.domain in ("", "ai.onnx") and op.op_type in TORCH_KERNEL_OPS
-
-
 @hookimpl
 def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
-    host_only = [op for op in subgraph.ops if not _supported(op)]
+    if subgraph_problem(subgraph) is not None:
+        return None  # a dtype torch does not hold, or an op neither a kernel nor onnx.reference runs
+    host_only = host_only_ops(subgraph)
     if host_only and device.kind != "cpu":
         return None  # the onnx.reference fallback runs on the host only
     if subgraph.quantized_by not in (None, "torch"):
@@ -145,156 +148,11 @@ def _weight_bytes(subgraph: Subgraph) -> int:
     return sum(int(packed[p].nbytes) if p in packed else int(inits[p].nbytes) for p in subgraph.params)
 
 
-class TorchExecutable:
-    """Runs a subgraph op by op with torch kernels on one torch device."""
-
-    def __init__(self, subgraph: Subgraph, device: str) -> None:
-        import torch
-
-        from dspark.builtin.torch_ops import KERNELS
-
-        self._torch = torch
-        self.device = torch.device(device)
-        self.inputs = list(subgraph.inputs)
-        self.outputs = list(subgraph.outputs)
-        packed = subgraph.payload if subgraph.quantized_by == "torch" else {}
-        steps: list[tuple[Op, Any]] = []
-        for op in subgraph.ops:
-            if _quantized_use(op, packed):
-                # The packed weight is the kernel's own: the step reads no float weight ("" is None).
-                unweighted = op.model_copy(update={"inputs": [op.inputs[0], "", *op.inputs[2:]]})
-                steps.append((unweighted, _quantized_kernel(op, packed[op.inputs[1]])))
-            elif _supported(op):
-                steps.append((op, KERNELS[op.op_type]))
-            else:
-                steps.append((op, _reference_kernel(subgraph, op)))
-        # A quantized weight is held packed only, unless another op reads it as a float.
-        read = {t for op, _ in steps for t in op.inputs}
-        self.weights = {k: torch.from_numpy(np.array(subgraph.graph.initializers[k])).to(self.device)
-                        for k in subgraph.params if k in read}
-        self.steps = steps
-
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        env = self._evaluate(inputs)
-        return {name: env[name].detach().cpu().numpy() for name in self.outputs}
-
-    def run_all(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every tensor the subgraph computes, not only its outputs (for per-op checks)."""
-        env = self._evaluate(inputs)
-        return {name: value.detach().cpu().numpy() for name, value in env.items() if name not in self.weights}
-
-    def _evaluate(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
-        torch = self._torch
-        env: dict[str, Any] = dict(self.weights)
-        for name in self.inputs:
-            env[name] = torch.from_numpy(np.ascontiguousarray(inputs[name])).to(self.device)
-        with torch.inference_mode():
-            for op, fn in self.steps:
-                args = [env[t] if t else None for t in op.inputs]
-                attrs = op.attrs if "num_outputs" in op.attrs else {**op.attrs, "_num_outputs": len(op.outputs)}
-                for name, value in zip(op.outputs, fn(attrs, args), strict=False):
-                    if name:
-                        env[name] = value
-        return env
-
-
-def _quantized_use(op: Op, packed: dict[str, Any]) -> bool:
-    """``op`` reads a packed weight as its right operand (what :func:`dspark.sdk.quant.quantizable_weights` picks)."""
-    return len(op.inputs) > 1 and op.inputs[1] in packed and (
-        op.op_type == "MatMul" or (op.op_type == "Gemm" and not op.attrs.get("transB")))
-
-
-def _quantized_kernel(op: Op, packed: Any) -> Any:
-    """A step computing MatMul / Gemm(transB=0) through the packed weight's int8/int4 kernel."""
-    from dspark.builtin import torch_quant
-
-    def run(attrs: dict[str, Any], args: list[Any]) -> list[Any]:
-        a = args[0]
-        if op.op_type == "MatMul":
-            return [torch_quant.apply(packed, a).to(a.dtype)]
-        if attrs.get("transA"):
-            a = a.T
-        y = torch_quant.apply(packed, a) * float(attrs.get("alpha", 1.0))
-        if len(args) > 2 and args[2] is not None:
-            y = y + float(attrs.get("beta", 1.0)) * args[2]
-        return [y.to(a.dtype)]
-
-    return run
-
-
-class LinearExecutable:
-    """One linear ``y = x @ W`` on the CPU (the LLM's unit), with as little per-call work as
-    possible: it sits in the decode loop, and its bid must time the kernel, not the op-by-op
-    interpreter. ``kernel`` is ``torch.matmul`` with the float weight (what the float path
-    computes) or a quantized kernel (:func:`dspark.builtin.torch_quant.apply`)."""
-
-    def __init__(self, kernel: Any) -> None:
-        self._kernel = kernel
-        self.inputs, self.outputs = [LINEAR_INPUT], [LINEAR_OUTPUT]
-
-    def run_torch(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        x = inputs[LINEAR_INPUT]
-        if x.device.type != "cpu":
-            raise ValueError(f"input on {x.device}: this linear runs on the CPU")
-        return {LINEAR_OUTPUT: self._kernel(x)}
-
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
-
-        x = torch.from_numpy(np.ascontiguousarray(inputs[LINEAR_INPUT], dtype=np.float32))
-        with torch.inference_mode():
-            return {LINEAR_OUTPUT: self._kernel(x).numpy()}
-
-
-def _linear_executable(subgraph: Subgraph) -> LinearExecutable | None:
-    """A :class:`LinearExecutable` for the one-op float32 ``x @ W`` of
-    :func:`dspark.sdk.quant.linear_subgraph` (W packed or a float initializer); None for anything else."""
-    ops = subgraph.ops
-    if len(ops) != 1 or ops[0].op_type != "MatMul" or ops[0].inputs[0] != LINEAR_INPUT \
-            or subgraph.inputs != [LINEAR_INPUT] or subgraph.outputs != [LINEAR_OUTPUT]:
-        return None
-    tensors, weight = subgraph.graph.tensors, ops[0].inputs[1]
-    if any(t not in tensors or tensors[t].dtype != "float32" for t in (LINEAR_INPUT, LINEAR_OUTPUT)):
-        return None
-    if subgraph.quantized_by == "torch":
-        packed = (subgraph.payload or {}).get(weight)
-        if packed is None:
-            return None
-        from dspark.builtin import torch_quant
-
-        return LinearExecutable(partial(torch_quant.apply, packed))
-    w = subgraph.graph.initializers.get(weight)
-    if w is None or w.ndim != 2 or w.dtype != np.float32:
-        return None
-    import torch
-
-    w_t = torch.from_numpy(np.array(w))
-    return LinearExecutable(partial(torch.matmul, other=w_t))
-
-
-def _reference_kernel(subgraph: Subgraph, op: Op) -> Any:
-    """An ``onnx.reference`` evaluator for one op that has no torch kernel."""
-    from onnx.reference import ReferenceEvaluator
-
-    single = Subgraph(graph=subgraph.graph, op_names=[op.name])
-    evaluator = ReferenceEvaluator(single.to_onnx())
-    in_names = single.inputs
-
-    def run(attrs: dict[str, Any], args: list[Any]) -> list[Any]:
-        import torch
-
-        feeds = {n: a.cpu().numpy() for n, a, t in zip(op.inputs, args, op.inputs, strict=True) if t in in_names}
-        outs = evaluator.run(None, feeds)
-        return [torch.from_numpy(np.asarray(o)) for o in outs]
-
-    return run
-
-
 @hookimpl
 def dspark_compile(subgraph: Subgraph, device: Device) -> TorchExecutable | LinearExecutable | None:
     if subgraph.quantized_by not in (None, "torch"):
         return None
-    if device.kind == "cpu" and (linear := _linear_executable(subgraph)) is not None:
+    if device.kind == "cpu" and (linear := linear_executable(subgraph)) is not None:
         return linear
     if subgraph.quantized_by and device.kind != "cpu":
         return None
@@ -303,7 +161,7 @@ def dspark_compile(subgraph: Subgraph, device: Device) -> TorchExecutable | Line
 
 @hookimpl
 def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
-    from dspark.builtin import torch_quant
+    from dspark.sdk.reference import quant_kernels as torch_quant
 
     if device.kind != "cpu" or torch_quant.unsupported_reason(spec) is not None:
         return None  # CPU kernels only; no kernel for this spec

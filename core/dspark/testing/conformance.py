@@ -1,466 +1,32 @@
-"""Checks a plugin against the contract and its numbers against the torch reference.
+"""The conformance kit as pytest tests: :class:`PluginConformance`, and the names plugin tests import.
 
-Every hook is called through :meth:`PluginHost.call`, so the plugin runs under
-the same fault isolation as in production: a hook that raises, returns an
-invalid value or times out becomes a finding in the report, never an
-exception in the caller. Because the host leaves a failed plugin out of every
-later call, the kit re-admits it after a raise or an invalid value (not after
-a timeout: its thread may still be running) so that one broken op does not
-hide the results of all the others.
+The checks live in :mod:`dspark.testing.kit` (contract and op cases against
+the torch reference) and :mod:`dspark.testing.onnx_node` (ONNX's own backend
+node tests); this module turns them into one pytest test per check.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
-
-from dspark.graph.model import Subgraph
-from dspark.host.plugin_manager import PluginHost, _api_problem, _call_with_timeout
-from dspark.host.settings import PluginSettings
-from dspark.testing.op_cases import MLP_CASE, OpCase, op_case, op_cases
-from dspark.types import (
-    TOLERANCES, Bid, Device, Draft, DraftRequest, HardwareUnavailable, PluginRecord, PluginStatus, QuantSpec,
-    TargetModel,
+from dspark.host.plugin_manager import PluginHost
+from dspark.testing.compare import compare
+from dspark.testing.kit import (
+    DRAFT_TARGET,
+    PROBE_CACHED_LIMIT_S,
+    ConformanceKit,
+    check_plugin,
+    default_host,
+    reference_outputs,
 )
+from dspark.testing.node_kit import check_onnx_nodes
+from dspark.testing.op_cases import MLP_CASE, op_case, op_cases
+from dspark.testing.report import CheckResult, ConformanceReport
 
-PROBE_CACHED_LIMIT_S = 1.0  # a cached (second) probe must answer within this
-_EXACT = (0.0, 0.0)  # integer and bool precisions must match exactly
-DRAFT_TARGET = TargetModel(name="dspark-conformance-target", vocab_size=1000, num_layers=4, hidden_size=64)
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One finding: which check, on which case and device, and what was seen."""
-
-    check: str
-    case: str = ""
-    device: str = ""
-    ok: bool = True
-    detail: str = ""
-    skipped: bool = False
-
-    @property
-    def outcome(self) -> str:
-        return "SKIP" if self.skipped else ("PASS" if self.ok else "FAIL")
-
-
-@dataclass
-class ConformanceReport:
-    """Every check run against one plugin."""
-
-    plugin: str
-    results: list[CheckResult] = field(default_factory=list)
-    record: PluginRecord | None = None
-
-    @property
-    def failures(self) -> list[CheckResult]:
-        return [r for r in self.results if not r.ok and not r.skipped]
-
-    @property
-    def skipped(self) -> list[CheckResult]:
-        return [r for r in self.results if r.skipped]
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.results) and not self.failures
-
-    def cases(self, outcome: str = "PASS") -> list[str]:
-        """Cases whose numerical check had ``outcome`` (PASS/FAIL/SKIP) on every device that ran it."""
-        by_case: dict[str, set[str]] = {}
-        for r in self.results:
-            if r.check == "matches reference":
-                by_case.setdefault(r.case, set()).add(r.outcome)
-        if outcome == "PASS":
-            return [c for c, o in by_case.items() if o == {"PASS"}]
-        return [c for c, o in by_case.items() if outcome in o]
-
-    def summary(self, *, only_problems: bool = False) -> str:
-        rows = [r for r in self.results if not only_problems or not r.ok]
-        head = ("check", "case", "device", "result", "detail")
-        table = [head] + [(r.check, r.case or "-", r.device or "-", r.outcome, r.detail) for r in rows]
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        passed = sum(r.ok and not r.skipped for r in self.results)
-        lines = [f"conformance of plugin {self.plugin!r}: {passed} passed, {len(self.failures)} failed, "
-                 f"{len(self.skipped)} skipped"]
-        for row in table:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
-
-
-_REFERENCE: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-
-
-def reference_outputs(case: OpCase) -> dict[str, np.ndarray]:
-    """The case's outputs from the built-in torch reference backend on the CPU (cached per case)."""
-    key = (case.name, id(case.graph))  # op_cases() builds each graph once; a custom case gets its own entry
-    if key not in _REFERENCE:
-        from dspark.builtin.torch_ref import TorchExecutable
-
-        _REFERENCE[key] = TorchExecutable(case.graph.subgraph(), "cpu").run(_copy(case.inputs))
-    return _REFERENCE[key]
-
-
-def default_host(name: str) -> PluginHost:
-    """A host that loads ``name`` whatever the user's DSPARK_PLUGINS / autoload settings say.
-
-    Only ``name`` is allowed, which keeps the other plugins' imports and
-    probes out of the check; timeouts and tracing still come from the environment.
-    """
-    env = {k: v for k, v in os.environ.items() if k not in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD")}
-    env["DSPARK_PLUGINS"] = name
-    return PluginHost(PluginSettings.from_env(env=env)).load()
-
-
-def _copy(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    # A fresh copy per run: a plugin that writes into its inputs cannot spoil other checks.
-    return {k: np.array(v, copy=True) for k, v in inputs.items()}
-
-
-def compare(outputs: Any, reference: dict[str, np.ndarray], expected_names: list[str],
-            precision: str) -> tuple[bool, str]:
-    """Check names, shapes, dtypes and values against the reference; (ok, detail)."""
-    if not isinstance(outputs, dict):
-        return False, f"run() returned {type(outputs).__name__}, expected a dict of numpy arrays"
-    if sorted(outputs) != sorted(expected_names):
-        return False, f"output names {sorted(outputs)} != subgraph outputs {sorted(expected_names)}"
-    rtol, atol = TOLERANCES.get(precision, _EXACT)
-    worst_abs = worst_rel = 0.0
-    for name in expected_names:
-        got, ref = outputs[name], reference[name]
-        if not isinstance(got, (np.ndarray, np.generic)):
-            return False, f"output {name!r} is a {type(got).__name__}, not a numpy array"
-        got = np.asarray(got)
-        if got.shape != ref.shape:
-            return False, f"output {name!r} has shape {got.shape}, reference {ref.shape}"
-        if got.dtype != ref.dtype:
-            return False, f"output {name!r} has dtype {got.dtype}, reference {ref.dtype}"
-        if ref.dtype.kind not in "fc":
-            if not np.array_equal(got, ref):
-                return False, f"output {name!r}: {int(np.sum(got != ref))} of {ref.size} elements differ"
-            continue
-        g, r = got.astype(np.float64), ref.astype(np.float64)
-        if not np.array_equal(np.isnan(g), np.isnan(r)):
-            return False, f"output {name!r}: NaN where the reference has none (or the reverse)"
-        err = np.abs(np.nan_to_num(g - r))
-        worst_abs = max(worst_abs, float(err.max(initial=0.0)))
-        worst_rel = max(worst_rel, float((err / np.maximum(np.abs(r), 1e-12)).max(initial=0.0)))
-        if not np.allclose(g, r, rtol=rtol, atol=atol, equal_nan=True):
-            return False, (f"output {name!r}: max abs err {worst_abs:.3g}, max rel err {worst_rel:.3g} "
-                           f"exceed {precision} tolerance (rtol {rtol:g}, atol {atol:g})")
-    return True, f"max abs err {worst_abs:.3g}, max rel err {worst_rel:.3g} ({precision})"
-
-
-class ConformanceKit:
-    """Runs the checks against one plugin on one host, caching probe, bids and references."""
-
-    def __init__(self, name: str, host: PluginHost | None = None) -> None:
-        self.name = name
-        self.host = host if host is not None else default_host(name)
-        self._plugin = self.host.pm.get_plugin(name)  # kept to re-admit it after a finding
-        self._probe: list[CheckResult] | None = None
-        self.devices: list[Device] = []
-        self.not_testable: str | None = None  # why device checks are skipped (no hardware, not active)
-        self._bids: dict[tuple[str, int], tuple[Bid | None, str | None]] = {}
-
-    # -- calling ---------------------------------------------------------------
-
-    @property
-    def record(self) -> PluginRecord | None:
-        return self.host.records.get(self.name)
-
-    def call(self, hook: str, **kwargs: Any) -> tuple[Any, str | None]:
-        """(result, problem): the host's isolated call; a problem is why the plugin was failed."""
-        record = self.record
-        if record is None or self.name not in self.host.active():
-            why = f"{record.status.value}: {record.reason}" if record else "not loaded"
-            return None, f"plugin is not taking calls ({why})"
-        status = record.status
-        start = time.perf_counter()
-        value = self.host.call(self.name, hook, **kwargs)
-        if record.status != PluginStatus.FAILED:
-            return value, None
-        problem = record.reason
-        timed_out = time.perf_counter() - start >= self.host.settings.timeout_for(hook)
-        if self._plugin is not None and not timed_out:
-            self.host.pm.register(self._plugin, name=self.name)
-            record.status, record.reason = status, ""
-        return None, problem
-
-    def _label(self, device: Device) -> str:
-        same = [d for d in self.devices if d.id == device.id]
-        return device.id if len(same) == 1 else f"{device.id} ({device.runtime})"
-
-    # -- checks ----------------------------------------------------------------
-
-    def check_registration(self) -> list[CheckResult]:
-        record = self.record
-        if record is None:
-            known = ", ".join(sorted(self.host.records)) or "none"
-            return [CheckResult("registered", ok=False, detail=f"no plugin named {self.name!r} was loaded "
-                                f"(loaded: {known}); is its 'dspark' entry point installed?")]
-        results = []
-        good = record.status in (PluginStatus.ACTIVE, PluginStatus.NO_HARDWARE)
-        results.append(CheckResult("registered and active", ok=good,
-                                   detail=f"{record.status.value} ({record.source}, {record.module}"
-                                          f"{', version ' + record.version if record.version else ''})"
-                                          + (f": {record.reason}" if record.reason else "")))
-        problem = _api_problem(record.api_version or None)
-        results.append(CheckResult("API version declared", ok=problem is None,
-                                   detail=problem or f"DSPARK_API_VERSION = {record.api_version!r}"))
-        if not good:
-            self.not_testable = f"plugin is {record.status.value}"
-        return results
-
-    def check_probe(self) -> list[CheckResult]:
-        if self._probe is not None:
-            return self._probe
-        reg = self.check_registration()
-        if self.not_testable or any(not r.ok for r in reg):
-            self.not_testable = self.not_testable or "plugin did not register cleanly"
-            self._probe = [CheckResult("probe", ok=False, skipped=True, detail=self.not_testable)]
-            return self._probe
-        if not self.host.implements(self.name, "dspark_probe_devices"):
-            # A drafter-only plugin, say: nothing device-scoped to check.
-            self.not_testable = "drives no devices (dspark_probe_devices not implemented)"
-            self._probe = [CheckResult("probe", ok=True, skipped=True, detail=self.not_testable)]
-            return self._probe
-        results: list[CheckResult] = []
-        runs: list[list[tuple[str, str]]] = []
-        second_s = 0.0
-        for attempt in range(2):
-            start = time.perf_counter()
-            try:
-                found, problem = self.call("dspark_probe_devices", refresh=False)
-            except HardwareUnavailable as exc:
-                # Not a failure: the plugin says its hardware is absent on this machine.
-                assert self.record is not None
-                self.record.status, self.record.reason = PluginStatus.NO_HARDWARE, str(exc)
-                self.not_testable = f"no hardware: {exc}"
-                self._probe = [CheckResult("probe", ok=True, skipped=True, detail=self.not_testable)]
-                return self._probe
-            second_s = time.perf_counter() - start
-            if problem:
-                self.not_testable = "probe failed"
-                self._probe = [CheckResult("probe returns valid devices", ok=False, detail=problem)]
-                return self._probe
-            devices = [d for d in found or [] if isinstance(d, Device)]
-            if attempt == 0:
-                self.devices = devices
-            runs.append([(d.id, d.runtime) for d in devices])
-        if not self.devices:
-            unavailable = [f"{u.what}: {u.reason}" for u in found or [] if not isinstance(u, Device)]
-            self.not_testable = "no hardware: " + ("; ".join(unavailable) or "probe found no devices")
-            self._probe = [CheckResult("probe", ok=True, skipped=True, detail=self.not_testable)]
-            return self._probe
-        dupes = {p for p in runs[0] if runs[0].count(p) > 1}
-        results.append(CheckResult(
-            "probe returns valid devices", ok=not dupes,
-            detail=f"duplicate (id, runtime) {sorted(dupes)}" if dupes else
-            ", ".join(f"{d.id} ({d.kind}, {d.runtime}, {d.name})" for d in self.devices)))
-        results.append(CheckResult(
-            "probe is idempotent", ok=runs[0] == runs[1],
-            detail=f"first {runs[0]}, then {runs[1]}" if runs[0] != runs[1] else "same devices twice"))
-        results.append(CheckResult(
-            "probe is fast when cached", ok=second_s < PROBE_CACHED_LIMIT_S,
-            detail=f"second probe took {second_s:.3f} s (limit {PROBE_CACHED_LIMIT_S:g} s: cache microbenchmarks "
-                   "with dspark.host.cache)"))
-        self._probe = results
-        return results
-
-    def _skips(self, check: str, case: str = "") -> list[CheckResult]:
-        return [CheckResult(check, case=case, ok=True, skipped=True, detail=self.not_testable or "")]
-
-    def bid(self, case: OpCase, device_index: int) -> tuple[Bid | None, str | None]:
-        key = (case.name, device_index)
-        if key not in self._bids:
-            device = self.devices[device_index]
-            self._bids[key] = self.call("dspark_bid", subgraph=case.graph.subgraph(), device=device)
-        return self._bids[key]
-
-    def check_bid(self, case: OpCase, device_index: int) -> CheckResult:
-        device = self.devices[device_index]
-        bid, problem = self.bid(case, device_index)
-        label = self._label(device)
-        if problem:
-            return CheckResult("bid well-formed", case.name, label, ok=False, detail=f"{_ops(case)}: {problem}")
-        if bid is None:
-            return CheckResult("bid well-formed", case.name, label, detail="abstains")
-        bad = []
-        if not math.isfinite(bid.latency_s):
-            bad.append(f"latency_s {bid.latency_s} is not finite")
-        if bid.precision not in TOLERANCES and bid.precision not in ("int64", "int32", "int16", "uint8", "bool"):
-            bad.append(f"precision {bid.precision!r} has no tolerance to be checked against")
-        if not bid.fixed_overhead_s <= bid.latency_s:
-            bad.append(f"fixed_overhead_s {bid.fixed_overhead_s} exceeds latency_s {bid.latency_s}")
-        if bid.device_id != device.id:
-            bad.append(f"device_id {bid.device_id!r} != {device.id!r}")
-        return CheckResult("bid well-formed", case.name, label, ok=not bad,
-                           detail="; ".join(bad) or f"{bid.latency_s * 1e6:.1f} us, {bid.precision}, {bid.runtime}")
-
-    def check_bids(self) -> list[CheckResult]:
-        self.check_probe()
-        if self.not_testable:
-            return self._skips("bid well-formed")
-        return [self.check_bid(c, i) for c in op_cases() for i in range(len(self.devices))]
-
-    def _run_and_compare(self, check: str, case_name: str, label: str, subgraph: Subgraph, device: Device,
-                         reference: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
-                         precision: str, ops: str) -> CheckResult:
-        exe, problem = self.call("dspark_compile", subgraph=subgraph, device=device)
-        if problem:
-            return CheckResult(check, case_name, label, ok=False, detail=f"{ops}: compile failed: {problem}")
-        if exe is None:
-            return CheckResult(check, case_name, label, ok=False,
-                               detail=f"{ops}: bid, then dspark_compile returned None (a broken promise)")
-        timeout = self.host.settings.timeout_for("dspark_compile")
-        try:
-            outputs = _call_with_timeout(exe.run, [_copy(inputs)], timeout, f"{self.name}.run")
-        except Exception as exc:  # anything the plugin's code raises is a finding
-            return CheckResult(check, case_name, label, ok=False,
-                               detail=f"{ops}: run() raised {type(exc).__name__}: {exc}")
-        ok, detail = compare(outputs, reference, list(subgraph.outputs), precision)
-        return CheckResult(check, case_name, label, ok=ok, detail=detail if ok else f"{ops}: {detail}")
-
-    def check_case(self, case: OpCase) -> list[CheckResult]:
-        """For every device the plugin bids on for ``case``: compile, run, compare with the reference."""
-        self.check_probe()
-        if self.not_testable:
-            return self._skips("matches reference", case.name)
-        reference = reference_outputs(case)
-        results = []
-        for i, device in enumerate(self.devices):
-            label = self._label(device)
-            bid, problem = self.bid(case, i)
-            if problem or bid is None:
-                results.append(CheckResult("matches reference", case.name, label, skipped=True,
-                                           detail=f"bid failed: {problem}" if problem else "abstains"))
-                continue
-            results.append(self._run_and_compare("matches reference", case.name, label, case.graph.subgraph(),
-                                                  device, reference, case.inputs, bid.precision, _ops(case)))
-        return results
-
-    def check_quantize(self) -> list[CheckResult]:
-        if not self.host.implements(self.name, "dspark_quantize"):
-            return [CheckResult("quantize int8", skipped=True, detail="dspark_quantize not implemented")]
-        self.check_probe()
-        if self.not_testable:
-            return self._skips("quantize int8", MLP_CASE)
-        case = op_case(MLP_CASE)
-        spec = QuantSpec(weight_bits=8)
-        float_sg = case.graph.subgraph()
-        results = []
-        for device in self.devices:
-            label = self._label(device)
-            variant, problem = self.call("dspark_quantize", subgraph=float_sg, device=device, spec=spec)
-            if problem:
-                results.append(CheckResult("quantize int8", MLP_CASE, label, ok=False, detail=problem))
-                continue
-            if variant is None:
-                results.append(CheckResult("quantize int8", MLP_CASE, label, skipped=True,
-                                           detail="no int8 kernel for this device (returned None)"))
-                continue
-            if variant.outputs != float_sg.outputs:
-                results.append(CheckResult("quantize int8", MLP_CASE, label, ok=False,
-                                           detail=f"variant outputs {variant.outputs} != {float_sg.outputs}"))
-                continue
-            bid, problem = self.call("dspark_bid", subgraph=variant, device=device)
-            if problem or bid is None:
-                results.append(CheckResult("quantize int8", MLP_CASE, label, ok=False,
-                                           detail=f"the plugin does not bid on its own variant: {problem or 'abstains'}"))
-                continue
-            res = self._run_and_compare("quantize int8", MLP_CASE, label, variant, device, reference_outputs(case),
-                                        case.inputs, "int8", _ops(case))
-            results.append(CheckResult(res.check, res.case, res.device, res.ok,
-                                       f"bid precision {bid.precision}; {res.detail}"))
-        return results
-
-    def check_drafters(self) -> list[CheckResult]:
-        if not self.host.implements(self.name, "dspark_drafters"):
-            return [CheckResult("drafters", skipped=True, detail="dspark_drafters not implemented")]
-        specs, problem = self.call("dspark_drafters", target=DRAFT_TARGET)
-        if problem:
-            return [CheckResult("drafters", ok=False, detail=problem)]
-        if not specs:
-            return [CheckResult("drafters", skipped=True, detail="offers no drafter for the test target")]
-        return [self._check_drafter(spec.name, spec.create) for spec in specs]
-
-    def _check_drafter(self, name: str, create: Callable[[], Any]) -> CheckResult:
-        timeout = self.host.settings.timeout_for("dspark_drafters")
-        # A repetitive context, so a lookup drafter has something to propose.
-        tokens = [11, 12, 13, 14, 15] * 3 + [11, 12]
-        try:
-            drafter = _call_with_timeout(create, [], timeout, f"{self.name}.{name}.create")
-            if not callable(getattr(drafter, "propose", None)):
-                return CheckResult("drafter proposes", name, ok=False,
-                                   detail=f"create() returned {type(drafter).__name__}, which has no propose()")
-            for k in (0, 1, 4):
-                draft = _call_with_timeout(drafter.propose, [list(tokens), k], timeout, f"{self.name}.{name}.propose")
-                if not isinstance(draft, Draft):
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail=f"propose(tokens, {k}) returned {type(draft).__name__}, not dspark.Draft")
-                if len(draft.tokens) > k:
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail=f"propose(tokens, {k}) returned {len(draft.tokens)} tokens, more than k={k}")
-                if any(not 0 <= t < DRAFT_TARGET.vocab_size for t in draft.tokens):
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail=f"token ids {draft.tokens} outside the vocabulary")
-                if draft.probs is not None and np.shape(draft.probs)[:1] != (len(draft.tokens),):
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail=f"probs shape {np.shape(draft.probs)} for {len(draft.tokens)} tokens")
-            if callable(getattr(drafter, "propose_batch", None)):  # API 1.1, optional
-                reqs = [DraftRequest("conformance-a", list(tokens), 3), DraftRequest("conformance-b", tokens[:7], 2)]
-                drafts = _call_with_timeout(drafter.propose_batch, [reqs], timeout, f"{self.name}.{name}.propose_batch")
-                if len(drafts) != len(reqs) or not all(isinstance(d, Draft) for d in drafts):
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail=f"propose_batch returned {_short(drafts)} for {len(reqs)} requests")
-                if any(len(d.tokens) > r.k for d, r in zip(drafts, reqs)):
-                    return CheckResult("drafter proposes", name, ok=False,
-                                       detail="propose_batch returned more tokens than a request's k")
-                for r in reqs:
-                    for method, args in (("commit", (r.seq_id, len(r.tokens))), ("release", (r.seq_id,))):
-                        if callable(getattr(drafter, method, None)):
-                            getattr(drafter, method)(*args)
-        except Exception as exc:  # anything the plugin's code raises is a finding
-            return CheckResult("drafter proposes", name, ok=False, detail=f"{type(exc).__name__}: {exc}")
-        return CheckResult("drafter proposes", name, detail=f"last draft {draft.tokens} for k=4")
-
-    def run_all(self, cases: list[OpCase] | None = None) -> ConformanceReport:
-        results = self.check_registration()
-        if self.record is not None:
-            results += self.check_probe()
-            results += self.check_bids()
-            if self.not_testable:  # one line, not one per case
-                results += self._skips("matches reference")
-            else:
-                for case in op_cases() if cases is None else cases:
-                    results += self.check_case(case)
-            results += self.check_quantize()
-            results += self.check_drafters()
-        return ConformanceReport(plugin=self.name, results=results, record=self.record)
-
-
-def _ops(case: OpCase) -> str:
-    kinds = list(dict.fromkeys(case.op_types))
-    return f"{case.name} [{'->'.join(kinds)}]" if len(kinds) > 1 or kinds[0] != case.name else case.name
-
-
-def check_plugin(name: str, host: PluginHost | None = None, cases: list[OpCase] | None = None) -> ConformanceReport:
-    """Run every conformance check against plugin ``name`` and return the report.
-
-    Without ``host``, one is built that loads ``name`` even when the
-    environment's DSPARK_PLUGINS would hide it. Nothing the plugin does
-    raises here: every problem is a failed check in the report.
-    """
-    return ConformanceKit(name, host).run_all(cases)
+__all__ = [
+    "DRAFT_TARGET", "MLP_CASE", "PROBE_CACHED_LIMIT_S", "CheckResult", "ConformanceKit", "ConformanceReport",
+    "PluginConformance", "check_plugin", "compare", "default_host", "reference_outputs",
+]
 
 
 class PluginConformance:
@@ -478,6 +44,8 @@ class PluginConformance:
     """
 
     plugin: ClassVar[str] = ""
+    # ONNX node tests: per op type the plugin bids on, how many of its cases run (None: all).
+    onnx_node_cases_per_op: ClassVar[int | None] = 2
 
     def make_host(self) -> PluginHost | None:
         return None
@@ -519,13 +87,11 @@ class PluginConformance:
     def test_op_matches_reference(self, op_case_name: str) -> None:
         self._assert(self._kit().check_case(op_case(op_case_name)))
 
+    def test_onnx_node_cases(self) -> None:
+        self._assert(check_onnx_nodes(self._kit(), per_op=self.onnx_node_cases_per_op))
+
     def test_quantize(self) -> None:
         self._assert(self._kit().check_quantize())
 
     def test_drafters(self) -> None:
         self._assert(self._kit().check_drafters())
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -321,7 +321,7 @@ def model_op_cases(graph: Graph, inputs: dict[str, np.ndarray], *, unique: bool 
     signature (same type, attributes, shapes) is kept: a transformer's layers
     repeat the same ops.
     """
-    from dspark.builtin.torch_ref import TorchExecutable
+    from dspark.sdk.reference.executable import TorchExecutable
 
     values = TorchExecutable(graph.subgraph(), "cpu").run_all(inputs)
     values.update(inputs)

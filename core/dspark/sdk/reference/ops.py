@@ -1,8 +1,11 @@
 """ONNX operator semantics implemented with torch, for the reference backend.
 
 Each function takes the op's attributes and its input tensors (None for an
-omitted optional input) and returns a list of output tensors. Ops not listed
-here run through ``onnx.reference`` on the host (see ``torch_ref``).
+omitted optional input) and returns a list of output tensors. The attributes
+also carry ``_opset`` (the model's default-domain opset) and
+``_num_outputs``. Ops not listed here, and nodes a kernel does not cover
+(:func:`dspark.sdk.reference.support.kernel_problem`), run through
+``onnx.reference`` on the host (see ``torch_ref``).
 """
 
 from __future__ import annotations
@@ -48,12 +51,18 @@ for _name, _fn in {
     KERNELS[_name] = _unary(_fn)
 
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Pow": torch.pow,
+    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul,
     "Equal": torch.eq, "Greater": torch.gt, "Less": torch.lt, "GreaterOrEqual": torch.ge,
     "LessOrEqual": torch.le, "And": torch.logical_and, "Or": torch.logical_or, "Xor": torch.logical_xor,
 }
 for _name, _bfn in _BINARY.items():
     KERNELS[_name] = (lambda f: (lambda a, x: [f(x[0], x[1])]))(_bfn)
+
+
+@kernel("Pow")
+def _pow(a: dict[str, Any], x: list[Any]) -> list[Any]:
+    # ONNX: the result has the base's type (an int base with a float exponent stays int).
+    return [torch.pow(x[0], x[1]).to(x[0].dtype)]
 
 
 @kernel("Div")
@@ -103,8 +112,14 @@ def _hsig(a: dict[str, Any], x: list[Any]) -> list[Any]:
 
 @kernel("Clip")
 def _clip(a: dict[str, Any], x: list[Any]) -> list[Any]:
-    lo = x[1] if len(x) > 1 and x[1] is not None else None
-    hi = x[2] if len(x) > 2 and x[2] is not None else None
+    if a.get("_opset", 11) < 11:  # min and max were attributes
+        lo = float(a["min"]) if "min" in a else None
+        hi = float(a["max"]) if "max" in a else None
+    else:
+        lo = x[1] if len(x) > 1 and x[1] is not None else None
+        hi = x[2] if len(x) > 2 and x[2] is not None else None
+    if lo is None and hi is None:
+        return [x[0].clone()]
     return [torch.clamp(x[0], lo, hi)]
 
 
@@ -123,8 +138,23 @@ def _gemm(a: dict[str, Any], x: list[Any]) -> list[Any]:
     return [out]
 
 
-KERNELS["Softmax"] = lambda a, x: [torch.softmax(x[0], int(a.get("axis", -1)))]
-KERNELS["LogSoftmax"] = lambda a, x: [torch.log_softmax(x[0], int(a.get("axis", -1)))]
+def _softmax(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Kernel:
+    def run(a: dict[str, Any], x: list[Any]) -> list[Any]:
+        if a.get("_opset", 13) >= 13:
+            return [fn(x[0], int(a.get("axis", -1)))]
+        # Before opset 13 the input is flattened to 2-D at ``axis`` (default 1).
+        t = x[0]
+        axis = int(a.get("axis", 1))
+        axis = axis + t.dim() if axis < 0 else axis
+        lead = 1
+        for d in t.shape[:axis]:
+            lead *= d
+        return [fn(t.reshape(lead, -1), 1).reshape(t.shape)]
+    return run
+
+
+KERNELS["Softmax"] = _softmax(torch.softmax)
+KERNELS["LogSoftmax"] = _softmax(torch.log_softmax)
 
 
 @kernel("LayerNormalization")
@@ -204,7 +234,8 @@ def _reshape(a: dict[str, Any], x: list[Any]) -> list[Any]:
 
 @kernel("Flatten")
 def _flatten(a: dict[str, Any], x: list[Any]) -> list[Any]:
-    axis = int(a.get("axis", 1)) % (x[0].dim() + 1) if x[0].dim() else 0
+    axis = int(a.get("axis", 1))
+    axis = axis + x[0].dim() if axis < 0 else axis
     lead = 1
     for d in x[0].shape[:axis]:
         lead *= d
@@ -227,6 +258,8 @@ def _split(a: dict[str, Any], x: list[Any]) -> list[Any]:
     axis = int(a.get("axis", 0))
     if len(x) > 1 and x[1] is not None:
         return list(torch.split(x[0], _ints(x[1]), dim=axis))
+    if "split" in a:  # an attribute before opset 13
+        return list(torch.split(x[0], [int(v) for v in a["split"]], dim=axis))
     n = int(a["num_outputs"]) if "num_outputs" in a else int(a["_num_outputs"])
     size = -(-x[0].shape[axis] // n)
     return list(torch.split(x[0], size, dim=axis))
@@ -235,9 +268,14 @@ def _split(a: dict[str, Any], x: list[Any]) -> list[Any]:
 @kernel("Slice")
 def _slice(a: dict[str, Any], x: list[Any]) -> list[Any]:
     t = x[0]
-    starts, ends = _ints(x[1]), _ints(x[2])
-    axes = _ints(x[3]) if len(x) > 3 and x[3] is not None else list(range(len(starts)))
-    steps = _ints(x[4]) if len(x) > 4 and x[4] is not None else [1] * len(starts)
+    if a.get("_opset", 10) < 10:  # starts, ends and axes were attributes
+        starts, ends = [int(v) for v in a["starts"]], [int(v) for v in a["ends"]]
+        axes = [int(v) for v in a["axes"]] if "axes" in a else list(range(len(starts)))
+        steps = [1] * len(starts)
+    else:
+        starts, ends = _ints(x[1]), _ints(x[2])
+        axes = _ints(x[3]) if len(x) > 3 and x[3] is not None else list(range(len(starts)))
+        steps = _ints(x[4]) if len(x) > 4 and x[4] is not None else [1] * len(starts)
     index: list[Any] = [slice(None)] * t.dim()
     for s, e, ax, st in zip(starts, ends, axes, steps, strict=True):
         ax %= t.dim()
@@ -321,7 +359,8 @@ def _reduce(fn: Callable[..., torch.Tensor]) -> Kernel:
             if a.get("noop_with_empty_axes", 0):
                 return [x[0]]
             axes = list(range(x[0].dim()))
-        return [fn(x[0], dim=tuple(axes), keepdim=keep)]
+        # torch sums small ints into int64; ONNX keeps the input type.
+        return [fn(x[0], dim=tuple(axes), keepdim=keep).to(x[0].dtype)]
     return run
 
 
@@ -354,7 +393,7 @@ def _trilu(a: dict[str, Any], x: list[Any]) -> list[Any]:
 def _cumsum(a: dict[str, Any], x: list[Any]) -> list[Any]:
     axis = int(x[1].item())
     t = x[0].flip(axis) if a.get("reverse") else x[0]
-    out = torch.cumsum(t, axis)
+    out = torch.cumsum(t, axis).to(t.dtype)
     if a.get("exclusive"):
         out = out - t
     return [out.flip(axis) if a.get("reverse") else out]
