@@ -6,6 +6,10 @@ subgraphs with torch on the GPU. Quantized variants of MatMul subgraphs
 (int8 / int4 weights) run on its Triton kernels (:mod:`.triton_quant`).
 Importing this module is cheap: NVML, torch, Triton and the plugin's own
 modules are imported inside the hooks.
+
+Modules by role, as in every hardware plugin: :mod:`.probe` (devices),
+:mod:`.support` (what it can run, pure), :mod:`.bidding` (prices only),
+:mod:`.executable` (dspark_compile), :mod:`.quantize` (dspark_quantize).
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from typing import TYPE_CHECKING
 from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from dspark.graph.model import Subgraph
+    from dspark.graph import Subgraph
     from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
+DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (dspark.sdk for the reference executor)
 
 
 @hookimpl
@@ -30,22 +34,16 @@ def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable]:
 
 @hookimpl
 def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
-    from dspark_plugins_cuda.bid import bid
+    from dspark_plugins_cuda.bidding import bid
 
     return bid(subgraph, device)
 
 
 @hookimpl
 def dspark_compile(subgraph: Subgraph, device: Device) -> Executable | None:
-    if subgraph.quantized_by == "cuda":
-        from dspark_plugins_cuda.quantize import QuantExecutable
+    from dspark_plugins_cuda.executable import compile_subgraph
 
-        return QuantExecutable(subgraph, device.id)
-    if subgraph.quantized_by is not None:
-        return None  # another plugin's variant: never bid on (see bid.py)
-    from dspark_plugins_cuda.executable import CudaExecutable
-
-    return CudaExecutable(subgraph, device.id)
+    return compile_subgraph(subgraph, device)
 
 
 @hookimpl

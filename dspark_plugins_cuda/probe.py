@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from dspark.types import Device, Unavailable
+
 from dspark_plugins_cuda import bench, nvml, records, torch_side
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dspark.types import Device, DType, Unavailable
+
 from dspark_plugins_cuda.bench import Measured
 from dspark_plugins_cuda.nvml import GpuReading, SystemReading
 from dspark_plugins_cuda.pcie import link_bandwidth_bytes_per_s

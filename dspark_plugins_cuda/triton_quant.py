@@ -49,8 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
-
-from dspark.sdk.quant import QuantizedWeight, unpack_int4
+from dspark.sdk import QuantizedWeight, unpack_int4
 from dspark.types import QuantSpec
 
 MIN_GROUP = 32  # group sizes must be a multiple of this (a K block never straddles two groups)

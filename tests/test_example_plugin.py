@@ -38,7 +38,7 @@ def test_devices_lists_the_plugin_from_its_entry_point(plugin_env: dict[str, str
     assert numpy_plugin["source"] == "entry point"
     assert numpy_plugin["module"] == "dspark_numpy"
     assert numpy_plugin["version"] == "0.1.0"
-    assert numpy_plugin["api_version"] == "1.0"
+    assert numpy_plugin["api_version"] == "1.4"
     assert numpy_plugin["status"] == "active", numpy_plugin["reason"]
     assert numpy_plugin["devices"] == ["cpu"]
     cpu = next(d for d in inventory["devices"] if d["id"] == "cpu")

@@ -1,10 +1,16 @@
-"""The dspark plugin contract (API version 1.3).
+"""The dspark plugin contract (API version 1.4).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.3"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.4"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
+
+The public plugin API is this module, :mod:`dspark.types`, :mod:`dspark.graph`,
+:mod:`dspark.sdk`, :mod:`dspark.testing` and the top-level names of :mod:`dspark`;
+a plugin imports nothing else from dspark. API 1.4 added :mod:`dspark.sdk` as that
+declared surface (the 1.3 module names ``dspark.cost``, ``quant``, ``cache``,
+``calibration``, ``hostinfo`` and ``log`` still work).
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -26,11 +32,19 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from dspark.graph.model import Subgraph
-    from dspark.types import Bid, Device, DrafterSpec, Executable, QuantSpec, TargetModel, Unavailable
+    from dspark.graph import Subgraph
+    from dspark.types import (
+        Bid,
+        Device,
+        DrafterSpec,
+        Executable,
+        QuantSpec,
+        TargetModel,
+        Unavailable,
+    )
 
 PROJECT = "dspark"
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -19,7 +19,7 @@ from dspark.host.inventory import probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.types import TOLERANCES, Device, PluginStatus, Unavailable
-from dspark_plugins_cuda import bid as bid_mod
+from dspark_plugins_cuda import bidding as bid_mod
 from dspark_plugins_cuda import nvml, pcie, records
 from dspark_plugins_cuda.bench import Measured
 from dspark_plugins_cuda.nvml import GpuReading, SystemReading
@@ -40,7 +40,7 @@ def _host() -> PluginHost:
 def test_plugin_loads_through_entry_point() -> None:
     record = _host().records["cuda"]
     assert record.source == "entry point"
-    assert record.api_version == "1.2"
+    assert record.api_version == "1.4"
     assert record.status in (PluginStatus.ACTIVE, PluginStatus.NO_HARDWARE), record.reason
 
 
@@ -316,7 +316,7 @@ def _conv_graph() -> Graph:
 def test_executable_wrapper_runs_on_any_torch_device(make: object) -> None:
     # The GPU path with device "cpu": checks the wrapper and the test graphs here;
     # the same graphs run on the GPU below.
-    from dspark.builtin.torch_ref import TorchExecutable
+    from dspark.sdk.reference.executable import TorchExecutable
     from dspark_plugins_cuda.executable import CudaExecutable
 
     graph = make()  # type: ignore[operator]
@@ -331,7 +331,7 @@ def test_executable_wrapper_runs_on_any_torch_device(make: object) -> None:
 @needs_gpu
 @pytest.mark.parametrize("make", [_mlp_graph, _conv_graph])
 def test_compile_and_run_matches_cpu_reference(make: object) -> None:
-    from dspark.builtin.torch_ref import TorchExecutable
+    from dspark.sdk.reference.executable import TorchExecutable
 
     graph = make()  # type: ignore[operator]
     host = _host()

@@ -31,8 +31,10 @@ from dspark.types import Device, QuantSpec  # noqa: E402
 from dspark_plugins_cuda import records  # noqa: E402
 from dspark_plugins_cuda import triton_quant as tq  # noqa: E402
 from dspark_plugins_cuda.bench import Measured  # noqa: E402
+from dspark_plugins_cuda.bidding import roofline_s  # noqa: E402
+from dspark_plugins_cuda.executable import QuantExecutable  # noqa: E402
 from dspark_plugins_cuda.nvml import GpuReading, SystemReading  # noqa: E402
-from dspark_plugins_cuda.quantize import QuantExecutable, roofline_s, why_not  # noqa: E402
+from dspark_plugins_cuda.quantize import why_not  # noqa: E402
 from dspark_plugins_cuda.torch_side import TorchGpu  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"

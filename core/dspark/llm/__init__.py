@@ -1,6 +1,6 @@
 """LLM serving: checkpoint loading, paged KV cache, our own runner, continuous batching.
 
-Names are imported lazily so that ``dspark.llm.runner.config`` (validated by the
+Names are imported lazily so that ``dspark.llm.config`` (validated by the
 server before anything else) does not pay for importing torch.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dspark.llm.api import LLM, AsyncLLMEngine, default_model_path, optimize_model
-    from dspark.llm.runner.config import EngineConfig
+    from dspark.llm.config import EngineConfig
     from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput, Usage
     from dspark.llm.runner.kv_cache import PageAllocator, PagedKVCache
     from dspark.llm.runner.loader import CheckpointError, ModelConfig, load_checkpoint
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dspark.llm.sampling import GuidedSpec, SamplingParams
 
 _WHERE = {
-    "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "optimize_model": "api", "EngineConfig": "runner.config",
+    "LLM": "api", "AsyncLLMEngine": "api", "default_model_path": "api", "optimize_model": "api", "EngineConfig": "config",
     "EngineStats": "engine", "LLMEngine": "engine", "RequestOutput": "engine", "Usage": "engine",
     "PageAllocator": "runner.kv_cache", "PagedKVCache": "runner.kv_cache", "CheckpointError": "runner.loader",
     "ModelConfig": "runner.loader", "load_checkpoint": "runner.loader", "ModelRunner": "runner.model", "SeqChunk": "runner.model",

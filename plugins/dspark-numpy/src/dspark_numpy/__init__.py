@@ -14,13 +14,12 @@ from typing import Any
 import numpy as np
 
 from dspark import hookimpl
-from dspark.sdk import cache, calibration, hostinfo
-from dspark.sdk.cost import time_call
-from dspark.graph.model import Op, Subgraph
+from dspark.graph import Op, Subgraph
+from dspark.sdk import cache, calibration, hostinfo, time_call
 from dspark.types import Bid, Device
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.0"  # the plugin contract this was written against
+DSPARK_API_VERSION = "1.4"  # the plugin contract this was written against (dspark.sdk names)
 
 RUNTIME = "numpy"
 _OP_OVERHEAD_S = 2e-6  # per-op Python dispatch; a guess the roofline adds to each op
