@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from dspark.graph.model import Subgraph
+    from dspark.graph import Subgraph
     from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
+DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (names of dspark.sdk)
 
 
 @hookimpl

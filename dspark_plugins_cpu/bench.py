@@ -33,7 +33,7 @@ def measure(ov_name: str, full_name: str, capabilities: list[str], refresh: bool
     key = cache_key(ov_name, full_name)
     if not refresh and (hit := cache.load(CACHE_NAMESPACE, key)) is not None:
         return dict(hit)
-    from dspark.host.hostinfo import cpu_benchmark_lock
+    from dspark.sdk import cpu_benchmark_lock
 
     with cpu_benchmark_lock:  # not while another plugin benchmarks the same cores
         t0 = time.perf_counter()

@@ -9,9 +9,8 @@ while the runtime stays hot, and a warm loop would flatter the float layout.
 
 from __future__ import annotations
 
-from dspark.sdk import calibration
-from dspark.sdk.cost import DEFAULT_OP_OVERHEAD_S
-from dspark.graph.model import Subgraph
+from dspark.graph import Subgraph
+from dspark.sdk import DEFAULT_OP_OVERHEAD_S, calibration
 from dspark.types import Bid, Device, DType
 from dspark_plugins_cpu import runtime, support
 from dspark_plugins_cpu.quantize import PLUGIN_NAME, quantize

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark.graph.model import Subgraph
-from dspark.sdk.quant import QuantizedWeight, quantizable_weights, quantize_weight, unpack_int4
+from dspark.graph import Subgraph
+from dspark.sdk import QuantizedWeight, quantizable_weights, quantize_weight, unpack_int4
 from dspark.types import Device, QuantSpec
 from dspark_plugins_cpu import runtime, support
 

@@ -1,4 +1,16 @@
-"""Which subgraphs OpenVINO can run, decided by the runtime itself (``Core.query_model``)."""
+"""Which subgraphs OpenVINO can run and answer right: the check :mod:`.bidding` asks before pricing.
+
+The runtime decides what it can run: the ONNX frontend must read the
+subgraph (a conversion failure is unsupported), ``Core.query_model`` must
+claim every op for the device, and every boundary tensor must have a port
+the executable can feed or read (:mod:`.ports`). Before asking it, two cheap
+checks leave out what OpenVINO would run but not answer right:
+
+* boundary tensors the numpy bridge cannot carry (bfloat16, 4-bit);
+* op signatures whose OpenVINO kernels disagree with the ONNX specification
+  (:data:`.defects.DEFECTS`, found with ONNX's own node tests; see
+  docs/onnx-node-conformance.md).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +18,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from dspark.graph.model import Subgraph
-from dspark_plugins_cpu import runtime
+from dspark.graph import Subgraph
+from dspark_plugins_cpu import defects, ports, runtime
 
 _MAX_ENTRIES = 4096
 _cache: OrderedDict[tuple[str, str], str | None] = OrderedDict()
@@ -25,6 +37,9 @@ def unsupported_reason(subgraph: Subgraph, ov_name: str) -> str | None:
     Cached per (subgraph signature, device): the answer depends on op types,
     attributes, shapes and dtypes, never on weight values.
     """
+    # Not cached: cheap, and a rule may look at constant values the signature leaves out.
+    if (defect := defects.known_defect(subgraph)) is not None:
+        return defect
     key = (subgraph.signature(), ov_name)
     with _lock:
         if key in _cache:
@@ -54,6 +69,11 @@ def _query(subgraph: Subgraph, ov_name: str) -> str | None:
     missing = [op.get_friendly_name() for op in model.get_ops() if op.get_friendly_name() not in claimed]
     if missing:
         return f"{ov_name} cannot run {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+    try:
+        ports.input_ports(subgraph, list(model.inputs))
+        ports.output_ports(subgraph, list(model.outputs))
+    except KeyError as exc:
+        return str(exc)
     return None
 
 

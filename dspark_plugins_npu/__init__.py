@@ -7,7 +7,8 @@ devices`` stays fast.
 
 Modules: :mod:`.providers` (provider -> device table), :mod:`.session`
 (sessions that never fall back silently), :mod:`.bench` (cached
-microbenchmarks), :mod:`.probe`, :mod:`.bidding`, :mod:`.executable`,
+microbenchmarks), :mod:`.probe`, :mod:`.support` (what a provider runs and
+answers right), :mod:`.bidding` (prices only), :mod:`.executable`,
 :mod:`.quantize` (int8/int4 variants in ONNX Runtime's quantized formats).
 """
 
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING
 from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from dspark.graph.model import Subgraph
+    from dspark.graph import Subgraph
     from dspark.types import Bid, Device, QuantSpec, Unavailable
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.2"  # dspark_quantize, and run_torch on executables
+DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (names of dspark.sdk)
 PLUGIN_NAME = "npu"
 
 
@@ -42,16 +43,14 @@ def dspark_bid(subgraph: Subgraph, device: Device) -> Bid | None:
 
 @hookimpl
 def dspark_compile(subgraph: Subgraph, device: Device) -> OrtExecutable | None:
-    from dspark_plugins_npu.executable import OrtExecutable
+    from dspark_plugins_npu.executable import compile_subgraph
 
-    if subgraph.quantized_by not in (None, PLUGIN_NAME) or "execution_provider" not in device.properties:
-        return None
-    return OrtExecutable(subgraph, device)
+    return compile_subgraph(subgraph, device, PLUGIN_NAME)
 
 
 @hookimpl
 def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subgraph | None:
-    from dspark_plugins_npu import bidding
+    from dspark_plugins_npu import support
     from dspark_plugins_npu.executable import ep_of
     from dspark_plugins_npu.quantize import quantize
 
@@ -60,4 +59,4 @@ def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subg
     ep, index = ep_of(device)
     # A format counts only if a session on the EP really runs it (strictly off the CPU).
     return quantize(subgraph, device, spec, PLUGIN_NAME,
-                    accepts=lambda variant: bidding.why_not(variant, ep, index) is None)
+                    accepts=lambda variant: support.why_not(variant, ep, index) is None)

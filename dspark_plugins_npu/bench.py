@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.sdk import cache, hostinfo
-from dspark.sdk.cost import time_call
+from dspark.sdk import cache, hostinfo, time_call
 from dspark_plugins_npu import models, providers, session
 
 NAMESPACE = "npu_onnxruntime"
@@ -31,7 +30,7 @@ def measure(ep: str, index: int, refresh: bool) -> dict[str, float]:
     key = cache_key(ep, index)
     if not refresh and (hit := cache.load(NAMESPACE, key)) is not None:
         return {k: float(v) for k, v in hit.items()}
-    from dspark.host.hostinfo import cpu_benchmark_lock
+    from dspark.sdk import cpu_benchmark_lock
 
     with cpu_benchmark_lock:  # also for GPU EPs: the host thread's timing must not be contended
         result = {
@@ -43,7 +42,7 @@ def measure(ep: str, index: int, refresh: bool) -> dict[str, float]:
 
 
 def _matmul_flops(ep: str, index: int) -> float:
-    # Big enough to reach the kernels' steady state, small enough to stay ~0.2 s.
+    # Big enough to reach the kernels' steady state, small enough to keep the probe short.
     cores = int(hostinfo.cpu_static()["usable_cores"] or 1)
     n = 2048 if providers.info(ep).io_device == "cuda" else (512 if cores <= 8 else 1024)
     sess = session.create(models.build_matmul_model(n), ep, index)

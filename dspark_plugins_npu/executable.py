@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from dspark.graph.model import Subgraph
+from dspark.graph import Subgraph
 from dspark.types import Device
 from dspark_plugins_npu import session
+from dspark_plugins_npu.export import to_model
 from dspark_plugins_npu.quantize import QuantPayload
 
 
@@ -17,15 +18,11 @@ def ep_of(device: Device) -> tuple[str, int]:
     return str(device.properties["execution_provider"]), int(device.properties.get("device_index", 0))
 
 
-def to_model(subgraph: Subgraph) -> Any:
-    """The subgraph as an ``onnx.ModelProto`` that ONNX Runtime loads."""
-    model = subgraph.to_onnx()
-    # to_onnx() imports only the default domain's opset; ORT rejects a node of any
-    # other domain (com.microsoft contrib ops, custom ops) without its own import.
-    imported = {o.domain for o in model.opset_import}
-    for domain in sorted({n.domain for n in model.graph.node} - imported - {"ai.onnx"}):
-        model.opset_import.add(domain=domain, version=1)
-    return model
+def compile_subgraph(subgraph: Subgraph, device: Device, plugin: str) -> OrtExecutable | None:
+    """The ``dspark_compile`` hook: None for another plugin's variant or a device record without a provider."""
+    if subgraph.quantized_by not in (None, plugin) or "execution_provider" not in device.properties:
+        return None
+    return OrtExecutable(subgraph, device)
 
 
 def serialize(subgraph: Subgraph) -> bytes:
@@ -49,6 +46,11 @@ def model_format(subgraph: Subgraph) -> str:
     return payload.format if isinstance(payload, QuantPayload) else "float"
 
 
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of the same shape: ``np.ascontiguousarray`` would make a 0-d array 1-d."""
+    return np.asarray(array, order="C")
+
+
 class OrtExecutable:
     """One subgraph as an InferenceSession; ``run`` maps subgraph tensor names to host arrays."""
 
@@ -58,8 +60,8 @@ class OrtExecutable:
         self.inputs = list(subgraph.inputs)
         self.outputs = list(subgraph.outputs)
         self.session: Any = session.create(model_bytes(subgraph), ep, index, record_assignment=record_assignment)
-        # InferenceSession.run re-validates the feed names and wraps fallback handling on every call
-        # (~3 us of a ~9 us call on a small MatMul); the session was created without fallback, so the
+        # InferenceSession.run re-validates the feed names and wraps fallback handling on every call,
+        # a large share of a small op's call; the session was created without fallback, so the
         # bound C++ run is called directly, with RunOptions made once.
         self._single = (self.inputs[0], self.outputs[0]) if len(self.inputs) == len(self.outputs) == 1 else None
         # The closures hold locals, not self: no reference cycle keeps a session's weights alive.
@@ -71,7 +73,7 @@ class OrtExecutable:
             self._run = lambda feeds: sess.run(outputs, feeds, run_options)
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = {name: np.ascontiguousarray(inputs[name]) for name in self.inputs}
+        feeds = {name: _c_order(inputs[name]) for name in self.inputs}
         return dict(zip(self.outputs, self._run(feeds), strict=True))
 
     def run_torch(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -79,18 +81,18 @@ class OrtExecutable:
         ORT reads and writes (no copies); tensors on another device go through the host."""
         import torch  # already loaded when torch tensors come in: a dict lookup
 
-        if self._single is not None:  # one projection per decode step: the shortest path (~2x less overhead)
+        if self._single is not None:  # one projection per decode step: the shortest path
             i, o = self._single
             t = inputs[i]
             if t.is_cpu and not t.requires_grad:
-                return {o: torch.from_numpy(self._run({i: np.ascontiguousarray(t.numpy())})[0])}
+                return {o: torch.from_numpy(self._run({i: _c_order(t.numpy())})[0])}
         feeds: dict[str, np.ndarray] = {}
         device = None
         for name in self.inputs:
             t = inputs[name]
             if not t.is_cpu:
                 device, t = t.device, t.cpu()
-            feeds[name] = np.ascontiguousarray(t.detach().numpy())
+            feeds[name] = _c_order(t.detach().numpy())
         out = {name: torch.from_numpy(v) for name, v in zip(self.outputs, self._run(feeds), strict=True)}
         return out if device is None else {name: v.to(device) for name, v in out.items()}
 

@@ -42,15 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.host.log import get_logger
-from dspark.sdk.quant import QuantizedWeight, quantizable_weights, quantize_weight, unpack_int4
+from dspark.sdk import QuantizedWeight, get_logger, quantizable_weights, quantize_weight, unpack_int4
 from dspark.types import Device, QuantSpec
 from dspark_plugins_npu import providers
 
 if TYPE_CHECKING:
     import onnx
 
-    from dspark.graph.model import Subgraph
+    from dspark.graph import Subgraph
 
 log = get_logger("dspark_plugins_npu")
 
@@ -145,7 +144,7 @@ def build_model(subgraph: Subgraph, spec: QuantSpec, fmt: str, *, accuracy_level
     """(serialized model, replaced weight names, initializer bytes) in format ``fmt``; None if it does not fit."""
     from onnx import helper, version_converter
 
-    from dspark_plugins_npu.executable import to_model
+    from dspark_plugins_npu.export import to_model
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; known: {', '.join(FORMATS)}")

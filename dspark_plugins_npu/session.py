@@ -97,8 +97,7 @@ def session_options(*, strict: bool, log_level: int = _ORT_SILENT, record_assign
         so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     # ORT's worker threads spin after each run by default. Our sessions run between torch
     # ops in the same process (the LLM engine calls them once per layer and step), so
-    # spinning threads steal the cores torch needs next: measured on 2 cores, int8 decode
-    # went from 13.0 s to 0.42 s per 64 tokens with spinning off.
+    # spinning threads steal the cores torch needs next (docs/architecture.md, measured facts).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return so

@@ -22,7 +22,7 @@ from dspark.graph.model import Graph, Subgraph
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.testing import PluginConformance
-from dspark_plugins_npu import bench, bidding, models, providers, session
+from dspark_plugins_npu import bench, models, providers, session, support
 
 REPO = Path(__file__).resolve().parents[2]
 F32 = TensorProto.FLOAT
@@ -259,7 +259,7 @@ def test_bid_abstains_for_an_op_ort_does_not_know(cpu: Device) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
     sg = Graph.from_onnx(model).subgraph()
     assert npu.dspark_bid(sg, cpu) is None
-    assert "Frobnicate" in (bidding.why_not(sg, "CPUExecutionProvider", 0) or "")
+    assert "Frobnicate" in (support.why_not(sg, "CPUExecutionProvider", 0) or "")
 
 
 @pytest.mark.skipif(HAVE_CUDA, reason="a usable GPU is present")
@@ -296,7 +296,7 @@ def test_plugin_manager_loads_npu_and_lists_unusable_providers() -> None:
     inv = inventory.probe(host)
     record = host.records["npu"]
     assert record.status.value == "active", record.reason
-    assert record.api_version == "1.2"
+    assert record.api_version == "1.4"
     assert "cpu" in record.devices
     assert any(drv.plugin == "npu" for drv in inv.device("cpu").drivers)
     if not HAVE_CUDA and "CUDAExecutionProvider" in ort.get_available_providers():
