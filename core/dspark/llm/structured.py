@@ -71,7 +71,7 @@ class GrammarConstraint:
 
     ``allowed()`` costs one bitmask fill into the buffer (skipped if the state
     has not changed since the last call) plus an unpack of the 32-bit words
-    into a new bool tensor of the model's vocabulary size (~1 us at 8192).
+    into a new bool tensor of the model's vocabulary size.
     """
 
     def __init__(self, compiled: Any, tables: _Tables) -> None:
