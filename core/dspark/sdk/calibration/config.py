@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 NAMESPACE = "calibration"  # the disk cache namespace (dspark.host.cache)
-VERSION = "calib-v2"  # bump when what is measured or stored changes: old entries are then ignored
+VERSION = "calib-v3"  # bump when what is measured or stored changes: old entries are then ignored
 MAX_ROOFLINE_S = 0.5  # subgraphs predicted slower than this are not timed
 DEFAULT_BUDGET_S = 0.2
 

@@ -253,7 +253,8 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
     cal = calibrate(subgraph, device, runtime_key=runtime_key, compile=compile, budget_s=budget_s,
                     call_overhead_s=call_overhead_s, flush_caches=flush_caches, cold_baseline=cold_baseline)
     if cal is not None:
-        note = f"median of {cal.samples} {'observed' if cal.observed else 'timed'} runs"
+        note = (f"median of {cal.samples} observed runs" if cal.observed
+                else f"lowest batch median of {cal.samples} timed runs")
         if flush_caches and device.kind == "cpu" and not cal.observed:
             note += ", cold caches" + (" less a baseline's" if cold_baseline is not None else "")
         if measured:

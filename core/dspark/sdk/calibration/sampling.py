@@ -3,8 +3,9 @@
 Contention only ever adds time, so batches are compared with the lowest
 median among them: a batch more than ``OUTLIER_FACTOR`` over it is an outlier
 and is taken again after a pause (up to ``EXTRA_BATCHES`` more), until
-``BATCHES`` batches agree. The result is the median of the agreeing batches'
-medians, with the host's CPU contention during them (:mod:`.load`): a
+``BATCHES`` batches agree. The result is the lowest of the agreeing batches'
+medians (a runtime still settling after its first runs, or a burst of load,
+only slows a batch down), with the host's CPU contention during them (:mod:`.load`): a
 measurement whose every kept batch ran on a busy host is marked ``busy``.
 """
 
@@ -42,7 +43,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class Measurement:
-    """What :func:`measure` found: per executable the median seconds of the agreeing batches."""
+    """What :func:`measure` found: per executable the lowest batch median (seconds) of the agreeing batches."""
 
     medians: tuple[float, ...]
     samples: int  # timed rounds over every batch taken
@@ -159,6 +160,6 @@ def measure(exes: list[Executable], feeds: Feeds | list[Feeds], budget_s: float,
             hold.pause(config.RETRY_PAUSE_S)
             batches.append(_batch(runs, per_batch, min_rounds, max_rounds, flush))
     kept = agreeing(batches)
-    medians = tuple(statistics.median(b.medians[i] for b in kept) for i in range(len(exes)))
+    medians = tuple(min(b.medians[i] for b in kept) for i in range(len(exes)))
     return Measurement(medians, sum(b.rounds for b in batches), tuple(batches), tuple(kept),
                        all(b.load > config.BUSY_LOAD for b in kept))
