@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from dspark.host.settings import PluginSettings
 
@@ -36,7 +34,7 @@ def host_from_cli(specs: list[str] | None):  # type: ignore[no-untyped-def]
     return PluginHost(PluginSettings.from_env([*_global_specs, *(specs or [])])).load()
 
 
-def _fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -46,7 +44,7 @@ def _fmt_bytes(n: float | None) -> str:
     return "-"
 
 
-def _fmt_rate(n: float | None, unit: str) -> str:
+def fmt_rate(n: float | None, unit: str) -> str:
     if not n:
         return "-"
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):

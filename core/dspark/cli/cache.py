@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dspark.cli.app import JsonOpt, _fmt_bytes, app, err, out
+from dspark.cli.app import JsonOpt, fmt_bytes, app, err, out
 
 cache_app = typer.Typer(no_args_is_help=True,
                         help="The disk cache ($DSPARK_CACHE_DIR, default ~/.cache/dspark): probe microbenchmarks "
@@ -76,7 +76,7 @@ def list_(as_json: JsonOpt = False, namespace: NamespaceOpt = None,
         table.add_column(col)
     for row in rows:
         newest = "-" if row["newest"] is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["newest"]))
-        table.add_row(row["namespace"], str(row["entries"]), _fmt_bytes(row["bytes"]), newest)
+        table.add_row(row["namespace"], str(row["entries"]), fmt_bytes(row["bytes"]), newest)
     out.print(table)
     for row in rows:
         if "items" not in row:

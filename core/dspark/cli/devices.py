@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from dspark.cli.app import JsonOpt, PluginOpt, _fmt_bytes, _fmt_rate, app, err, host_from_cli, out
+from dspark.cli.app import JsonOpt, PluginOpt, fmt_bytes, fmt_rate, app, err, host_from_cli, out
 from dspark.cli.faults import print_faults
 
 
@@ -40,13 +40,13 @@ def devices(
                 "dtypes", "driven by (plugin: runtime)"):
         table.add_column(col, overflow="fold")
     for d in inv.devices:
-        flops = ", ".join(f"{k.replace('float', 'f').replace('bfloat', 'bf')} {_fmt_rate(v, 'FLOP/s')}"
+        flops = ", ".join(f"{k.replace('float', 'f').replace('bfloat', 'bf')} {fmt_rate(v, 'FLOP/s')}"
                           for k, v in sorted(d.peak_flops.items(), key=lambda kv: -kv[1]))
         table.add_row(
             d.id, d.kind, d.name,
-            f"{_fmt_bytes(d.memory_free_bytes)} / {_fmt_bytes(d.memory_total_bytes)}",
-            flops or "-", _fmt_rate(d.memory_bandwidth_bytes_per_s, "B/s"),
-            _fmt_rate(d.host_link_bandwidth_bytes_per_s, "B/s"), " ".join(d.dtypes),
+            f"{fmt_bytes(d.memory_free_bytes)} / {fmt_bytes(d.memory_total_bytes)}",
+            flops or "-", fmt_rate(d.memory_bandwidth_bytes_per_s, "B/s"),
+            fmt_rate(d.host_link_bandwidth_bytes_per_s, "B/s"), " ".join(d.dtypes),
             "\n".join(f"{drv.plugin}: {drv.runtime}" for drv in d.drivers),
         )
     out.print(table)

@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from dspark.host.plugin_manager import PluginHost
 
 
-from dspark.cli import app as _cli  # noqa: E402
-from dspark.cli.app import JsonOpt, PluginOpt, app, err, out  # noqa: E402
+from dspark.cli.app import JsonOpt, PluginOpt, app, err, fmt_bytes, host_from_cli, out  # noqa: E402
 from dspark.cli.faults import faults_json, print_faults  # noqa: E402
 
 
@@ -94,7 +93,7 @@ def _context(devices: Path | None, plugin: list[str] | None) -> tuple[PluginHost
 
     if devices is not None:
         return profile_host(devices)
-    host = _cli.host_from_cli(plugin)
+    host = host_from_cli(plugin)
     return host, probe(host)
 
 
@@ -111,7 +110,7 @@ def _abbrev(ops: list[str], limit: int = 6) -> str:
 
 
 def _print_plan(graph: Graph, plan: Plan, plan_s: float | None) -> None:
-    fmt = _cli._fmt_bytes
+    fmt = fmt_bytes
     table = Table(title=f"Plan for {plan.model} ({len(graph.ops)} ops)", title_justify="left")
     for col in ("#", "target", "runtime", "ops", "predicted ms", "precision", "bids beaten (ms)",
                 "bytes in / out", "after"):
