@@ -144,7 +144,8 @@ def test_bids_on_what_openvino_runs(device: Device) -> None:
     bid = plugin.dspark_bid(sg, device)
     assert isinstance(bid, Bid)
     assert bid.device_id == "cpu" and bid.runtime == "openvino/CPU" and bid.precision == "float32"
-    assert bid.latency_s >= device.properties["call_overhead_s"]
+    # The calibration timed the whole call: the probed overhead only bounds the bid's fixed part.
+    assert 0 < bid.fixed_overhead_s <= min(bid.latency_s, device.properties["call_overhead_s"])
     assert bid.peak_memory_bytes == sg.param_bytes + sg.io_bytes()
 
 

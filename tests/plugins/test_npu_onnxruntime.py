@@ -214,8 +214,9 @@ def test_bid_compile_run_matches_reference(case: str, cpu: Device) -> None:
     bid = npu.dspark_bid(sg, cpu)
     assert isinstance(bid, Bid)
     assert bid.device_id == "cpu" and bid.runtime == "onnxruntime/CPUExecutionProvider"
-    assert bid.precision == "float32" and bid.latency_s >= cpu.properties["call_overhead_s"]
-    assert bid.fixed_overhead_s == cpu.properties["call_overhead_s"]
+    assert bid.precision == "float32"
+    # The calibration timed the whole call: the probed overhead only bounds the bid's fixed part.
+    assert 0 < bid.fixed_overhead_s <= min(bid.latency_s, cpu.properties["call_overhead_s"])
     exe = npu.dspark_compile(sg, cpu)
     assert exe is not None
     out = exe.run(feeds)

@@ -242,14 +242,14 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
     ``compile``, when that works; a measured call overhead is then capped at
     the calibrated latency (both are measurements; the placer takes the
     median over a target's op bids). Without it, the plugin's figure stays
-    the fixed overhead and is a floor of the latency. ``flush_caches`` and
-    ``cold_baseline``: see :func:`calibrate` (the overheads are always timed warm).
+    the fixed overhead, also capped at a calibrated latency: the calibration
+    timed the whole call, so it, not a probed figure, is what the bid promises.
+    ``flush_caches`` and ``cold_baseline``: see :func:`calibrate` (the overheads are always timed warm).
     """
-    measured = False
     if config.enabled() and measure_overheads:
         overhead = call_overhead(device, runtime_key=runtime_key, compile=compile)
         if overhead is not None:
-            call_overhead_s, op_overhead_s, measured = overhead.call_s, overhead.op_s, True
+            call_overhead_s, op_overhead_s = overhead.call_s, overhead.op_s
     cal = calibrate(subgraph, device, runtime_key=runtime_key, compile=compile, budget_s=budget_s,
                     call_overhead_s=call_overhead_s, flush_caches=flush_caches, cold_baseline=cold_baseline)
     if cal is not None:
@@ -257,10 +257,9 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
                 else f"lowest batch median of {cal.samples} timed runs")
         if flush_caches and device.kind == "cpu" and not cal.observed:
             note += ", cold caches" + (" less a baseline's" if cold_baseline is not None else "")
-        if measured:
-            return Estimate(latency_s=cal.latency_s, fixed_overhead_s=min(call_overhead_s, cal.latency_s),
-                            source="calibrated", note=note)
-        return Estimate(latency_s=max(cal.latency_s, call_overhead_s), fixed_overhead_s=call_overhead_s,
+        # The calibration timed the whole call, overhead included: it is the promise, and a
+        # probed overhead (perhaps taken on a busy host) only bounds its fixed part.
+        return Estimate(latency_s=cal.latency_s, fixed_overhead_s=min(call_overhead_s, cal.latency_s),
                         source="calibrated", note=note)
     latency = roofline(subgraph, device, dtype, op_overhead_s=op_overhead_s, call_overhead_s=call_overhead_s)
     return Estimate(latency_s=latency, fixed_overhead_s=call_overhead_s, source="roofline")
