@@ -47,9 +47,12 @@ def devices() -> dict[str, Device]:
 
 @pytest.fixture(autouse=True)
 def fresh_calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Calibrations go to an empty cache, so each test measures what it asserts about."""
+    """Calibrations go to an empty cache, so each test measures what it asserts about. The host is
+    never judged busy here (tests/test_calibration_robust.py covers that): a load spike from another
+    process must not make a cached entry due for re-measuring in the middle of a test about caching."""
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DSPARK_CALIBRATE", raising=False)
+    monkeypatch.setattr(calibration.config, "BUSY_LOAD", float("inf"))
     yield tmp_path
 
 

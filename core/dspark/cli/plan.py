@@ -127,6 +127,7 @@ def _print_plan(graph: Graph, plan: Plan, plan_s: float | None) -> None:
     if plan.best_single_target:
         out.print(f"best single target: {plan.best_single_target} {plan.best_single_ms:.3f} ms")
     out.print(f"gate: {escape(plan.gate or '-')}")
+    out.print(f"decision: {escape(plan.decision or '-')}")
     out.print(f"solver: {plan.solver}" + (f"; planned in {plan_s:.2f} s" if plan_s is not None else ""))
 
 
@@ -137,6 +138,11 @@ def plan_cmd(
     devices: Annotated[Path | None, typer.Option(
         "--devices", metavar="FILE", help="Plan for a device profile (YAML) instead of this machine.")] = None,
     save: Annotated[Path | None, typer.Option("--save", metavar="PLAN.json", help="Write the plan here.")] = None,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Race plans predicted within the cost model's error of the best on real runs "
+                          "(random inputs, or --inputs) and keep the measured fastest.")] = False,
+    inputs: Annotated[Path | None, typer.Option(
+        "--inputs", metavar="FILE.npz", help="With --measure: input arrays keyed by input name.")] = None,
     plugin: PluginOpt = None,
 ) -> None:
     """Place MODEL on the devices (each op where it is predicted cheapest) and explain the plan."""
@@ -144,11 +150,19 @@ def plan_cmd(
 
     with _errors():
         graph = load_graph(model)
+        if inputs is not None and not measure:
+            raise CLIError("--inputs is for --measure: without it no plan is run")
         with _spinner("probing devices and collecting bids...", as_json):
             host, inv = _context(devices, plugin)
             t0 = time.perf_counter()
-            plan = placer.plan(graph, host, inv)
+            ranked = placer.candidates(graph, host, inv)
             plan_s = time.perf_counter() - t0
+        if measure and devices is not None:
+            raise CLIError("--measure runs the plans on this machine; it cannot measure a --devices profile")
+        with _spinner("racing close plans...", as_json or not measure):
+            feeds = _load_inputs(graph, inputs) if measure else None
+            what = f"the inputs in {inputs}" if inputs is not None else "random inputs"
+            plan = _choose(graph, host, inv, ranked, feeds, what)
         if save is not None:
             plan.save(save)
         if as_json:
@@ -162,8 +176,27 @@ def plan_cmd(
             out.print(f"saved to {escape(str(save))}")
 
 
+def _choose(graph: Graph, host: PluginHost, inv: Inventory, ranked: list[Plan],
+            feeds: dict[str, np.ndarray] | None, what: str) -> Plan:
+    """The plan to keep: given ``feeds``, close rivals raced on real runs of them; else the predicted
+    best, its decision naming the rivals that a measurement could decide between."""
+    from dspark.placement import trial
+    from dspark.placement.executor import compile_plan
+
+    if feeds is not None:
+        return trial.choose(ranked, lambda p: compile_plan(graph, p, host, inv), feeds, what=what)
+    best, rivals = ranked[0], trial.close_rivals(ranked)
+    if rivals:
+        best.decision = (f"predicted: {trial.label(best)} {best.predicted_total_ms:.3f} ms; within the cost "
+                         f"model's error: " + ", ".join(f"{trial.label(p)} {p.predicted_total_ms:.3f} ms"
+                                                        for p in rivals) + " (not measured: use --measure)")
+    else:
+        best.decision = trial.predicted(best, ranked[1] if len(ranked) > 1 else None, trial.DEFAULT_ERROR)
+    return best
+
+
 def _warn_memory(graph: Graph, plan: Plan, inv: Inventory) -> None:
-    from dspark.placement.adaptive import over_budget
+    from dspark.placement.placer import over_budget
 
     for problem in over_budget(graph, plan, inv):
         err.print(f"[yellow]warning:[/] the plan exceeds a memory budget: {escape(problem)}", soft_wrap=True)
@@ -188,9 +221,10 @@ def _load_inputs(graph: Graph, path: Path | None) -> dict[str, np.ndarray]:
     return {n: arrays[n] for n in graph.inputs}
 
 
-def _reuse_or_plan(graph: Graph, host: PluginHost, inv: Inventory,
-                   plan_file: Path | None) -> tuple[Plan, str | None, float | None]:
-    """The saved plan when its fingerprints match, else a fresh one and why."""
+def _reuse_or_plan(graph: Graph, host: PluginHost, inv: Inventory, plan_file: Path | None,
+                   feeds: dict[str, np.ndarray]) -> tuple[Plan, str | None, float | None]:
+    """The saved plan when its fingerprints match, else a fresh one (close rivals raced on ``feeds``)
+    and why."""
     from dspark.placement import placer
     from dspark.placement.plan import Plan, Target, graph_fingerprint, hardware_fingerprint
 
@@ -213,7 +247,7 @@ def _reuse_or_plan(graph: Graph, host: PluginHost, inv: Inventory,
         else:
             return saved, None, None
     t0 = time.perf_counter()
-    plan = placer.plan(graph, host, inv)
+    plan = _choose(graph, host, inv, placer.candidates(graph, host, inv), feeds, "the run's inputs")
     return plan, why, time.perf_counter() - t0
 
 
@@ -243,7 +277,7 @@ def run_cmd(
         feed = _load_inputs(graph, inputs)
         with _spinner("probing devices and planning...", as_json):
             host, inv = _context(None, plugin)
-            plan, why, plan_s = _reuse_or_plan(graph, host, inv, plan_file)
+            plan, why, plan_s = _reuse_or_plan(graph, host, inv, plan_file, feed)
         if why and not as_json:
             err.print(f"re-planning: {escape(why)}")
         with _spinner("compiling and running...", as_json):
@@ -301,6 +335,8 @@ def _print_run(r: dict[str, Any]) -> None:
     source = "saved plan reused" if r["plan_source"] == "loaded" else f"planned in {r['plan_time_s']:.2f} s"
     out.print(f"total: predicted {r['predicted_total_ms']:.3f} ms, measured {r['measured_total_ms']:.3f} ms "
               f"(end to end, incl. transfers); {source}; compiled in {r['compile_s']:.2f} s")
+    if r["plan"].get("decision"):
+        out.print(f"decision: {escape(r['plan']['decision'])}", soft_wrap=True)
     for f in r["fallbacks"]:
         out.print(f"[yellow]fallback:[/] {f['stage']} of partition {f['partition']} on {f['target']} failed "
                   f"({escape(f['reason'])}); re-planned without that bid", soft_wrap=True)

@@ -5,12 +5,21 @@ type) an exponentially weighted average of measured / predicted is kept and
 written into the bid table's ``correction`` factors; a partition's ratio is
 given to each op type it holds, since one measurement cannot tell its ops
 apart. The average is fed the median of the last few ratios, so one run
-slowed by a neighbour process does not swing the model. Every few runs the placer runs again on the corrected table; when the
-new plan is predicted faster than the current one (both under the corrected
-model) by more than ``threshold``, or when a device's free memory drops
-below what the current plan keeps there, the new plan is compiled, warmed up
-and swapped in between runs: a run in flight finishes on the plan it started
-with, and callers never wait for a re-plan done by another thread.
+slowed by a neighbour process does not swing the model. Every few runs
+(fewer and fewer while nothing changes) the placer runs again on the
+corrected table, in a background thread; when the new plan is predicted
+faster than the current one (both under the corrected model) by more than
+the model's error, or when a device's free memory (looked at every
+``memory_every_s``) drops below what the current plan keeps there, the new
+plan is compiled, warmed up and swapped in between runs: a run in flight
+finishes on the plan it started with, and callers never wait for a re-plan.
+Nothing per run walks the graph: spans become corrections through keys
+computed once per installed plan.
+
+Plans predicted within the cost model's error of each other are not chosen
+by prediction: the first run (and, when corrections bring a new plan that
+close to the current one, the next run) races them on the caller's inputs
+(:mod:`dspark.placement.trial`) and the measured fastest is committed.
 
 A partition whose compile or run fails is charged to its plugin (see
 :mod:`dspark.host.faults`), its target's bids for those ops leave the bid
@@ -23,13 +32,15 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from dspark.placement import placer
+from dspark.placement import placer, trial
+from dspark.placement.placer import FreeMemory, host_free_memory, over_budget
+from dspark.placement.shapes import BucketKey, ShapePlans, at_dims, bind_dims, bucket
 from dspark.placement.executor import CompiledPlan, PartitionFailed, Span, compile_plan, random_inputs
 from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
@@ -39,7 +50,6 @@ from dspark.host.plugin_manager import PluginHost
 
 log = get_logger("dspark.placement.adaptive")
 
-FreeMemory = Callable[[], Mapping[str, int | None]]  # device id -> free bytes (None: unknown)
 Key = tuple[str, str, str]  # (plugin, device id, op type)
 RATIO_WINDOW = 5  # recent measured/predicted ratios whose median feeds the average
 
@@ -55,12 +65,28 @@ class RunRecord:
 
 
 @dataclass
+class _Part:
+    """What learning from one partition's span needs, computed once per installed plan."""
+
+    id: int
+    target: str
+    raw_ms: float  # prediction without any correction
+    keys: list[tuple[Key, int]]  # (plugin, device, op type) and how many of its ops have that type
+    n_ops: int
+    recent: deque[float]  # latest measured / raw ratios
+
+
+@dataclass
 class _Active:
     version: int
     plan: Plan
     compiled: CompiledPlan
     raw_ms: dict[int, float]  # partition id -> prediction without any correction
+    parts: list[_Part]
     runs: int = 0
+
+    def factor(self, part: _Part, ratios: Mapping[Key, float]) -> float:
+        return sum(ratios.get(k, 1.0) * n for k, n in part.keys) / part.n_ops
 
 
 class _StageFailed(Exception):
@@ -80,34 +106,8 @@ class _Sample:
     was_corrected: bool
 
 
-def plan_memory_needs(graph: Graph, plan: Plan) -> dict[str, int]:
-    """Bytes of weights each device holds under ``plan`` (the placer's memory model)."""
-    need: dict[str, int] = {}
-    for part in plan.partitions:
-        need[part.device] = need.get(part.device, 0) + sum(graph.op(o).param_bytes for o in part.ops)
-    return need
-
-
-def over_budget(graph: Graph, plan: Plan, inv: Inventory) -> list[str]:
-    """Why ``plan`` does not fit the inventory's free memory (empty when it fits)."""
-    problems = []
-    for dev, need in plan_memory_needs(graph, plan).items():
-        free = inv.device(dev).memory_free_bytes
-        if free is not None and need > free * placer.MEMORY_HEADROOM:
-            problems.append(f"{dev} needs {need} B of weights > budget {int(free * placer.MEMORY_HEADROOM)} B "
-                            f"({placer.MEMORY_HEADROOM:.0%} of {free} B free)")
-    return problems
-
-
-def host_free_memory(inv: Inventory) -> FreeMemory:
-    """Cheap default: current available host memory for host-resident devices, others as probed."""
-    import psutil
-
-    def free() -> dict[str, int | None]:
-        avail = int(psutil.virtual_memory().available)
-        return {d.id: avail if d.kind == "cpu" else d.memory_free_bytes for d in inv.devices}
-
-    return free
+def _assignment_key(plan: Plan) -> str:
+    return repr(sorted(plan.assignment().items()))
 
 
 def _median_rel_error(pairs: list[tuple[float, float]]) -> float | None:
@@ -121,28 +121,38 @@ class AdaptiveRunner:
     def __init__(self, graph: Graph, host: PluginHost, inv: Inventory, *, threshold: float = 0.1,
                  min_runs: int = 3, replan_every: int | None = None, alpha: float = 0.3,
                  free_memory: FreeMemory | None = None, table: placer.BidTable | None = None,
-                 lock_by: Literal["device", "target"] = "device", warmup: bool = True) -> None:
+                 lock_by: Literal["device", "target"] = "device", warmup: bool = True,
+                 memory_every_s: float = 0.5, measure_close: bool = True, max_shapes: int = 4) -> None:
         self.graph, self.host = graph, host
         self.inv = inv.model_copy(deep=True)  # free memory is updated in place on this copy
         self.threshold, self.min_runs, self.alpha = threshold, min_runs, alpha
         self.replan_every = replan_every or min_runs
         self.free_memory = free_memory or host_free_memory(self.inv)
         self.lock_by, self.warmup = lock_by, warmup
+        self.memory_every_s, self.measure_close = memory_every_s, measure_close
         self.table = table or placer.collect_op_bids(host, self.inv, graph)
         self.replans: list[str] = []
         self.history: deque[RunRecord] = deque(maxlen=10_000)
         self._samples: deque[_Sample] = deque(maxlen=10_000)
         self._ratio: dict[Key, float] = {}
-        self._recent: dict[Key, deque[float]] = {}
         self._swap = threading.Lock()  # guards self._active
         self._stats = threading.Lock()  # guards ratios, samples, history, counters
         self._adapting = threading.Lock()  # one re-plan at a time; others keep running
         self._recovering = threading.Lock()  # one recovery from a failed partition at a time
+        self._racing = threading.Lock()  # one race between close plans at a time
+        self._background: threading.Thread | None = None
         self._runs = 0
         self._next_check = self.replan_every
+        self._next_memory = 0.0
         self._backoff = 1
+        self._rivals: list[Plan | _Active] = []  # close plans to race on the next caller's inputs
+        self._raced: set[frozenset[str]] = set()  # pairs of assignments already raced
         self._refresh_memory()
         self._active = self._install_fresh(version=0)
+        home = random_inputs(graph)  # the sizes the plan was made for: the dim hints
+        self._home: BucketKey = bucket(bind_dims(graph, home), graph.dim_hints)
+        self._buckets: dict[tuple[object, ...], BucketKey] = {self._shapes_of(home): self._home}
+        self._shapes: ShapePlans[AdaptiveRunner] = ShapePlans(max_shapes, on_evict=lambda _k, r: r.close())
 
     # -- public --------------------------------------------------------------
 
@@ -155,7 +165,21 @@ class AdaptiveRunner:
         return self._active.compiled
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run once on the current plan, learn from the timings, maybe swap the plan for later runs."""
+        """Run once on the current plan, learn from the timings, maybe swap the plan for later runs.
+
+        When close plans wait to be raced (see the module notes), this run races them first. Inputs
+        at sizes of another shape bucket (:mod:`dspark.placement.shapes`) run on that bucket's plan,
+        bid and placed at its sizes when first seen; sizes the graph cannot take raise ShapeMismatch."""
+        shapes = self._shapes_of(inputs)
+        key = self._buckets.get(shapes)
+        if key is None:
+            key = bucket(bind_dims(self.graph, inputs), self.graph.dim_hints)
+            if len(self._buckets) < 64:
+                self._buckets[shapes] = key
+        if key != self._home:
+            return self._shapes.get_or_build(key, lambda: self._for_shape(key)).run(inputs)
+        if self._rivals:
+            self._race(inputs)
         while True:
             with self._swap:
                 active = self._active
@@ -166,13 +190,36 @@ class AdaptiveRunner:
                 self._recover(active, exc)
         reason = self._observe(active, spans)
         if reason is not None:
-            self.adapt(reason)
+            self._adapt_in_background(reason)
         return outputs
 
-    def prediction_error(self, target: str | None = None) -> dict[str, float | int | None]:
-        """Median absolute relative error of partition predictions vs measurements.
+    def close(self) -> None:
+        """Release every compiled plan (this one's and its other shape buckets')."""
+        self._shapes.clear()
+        self.settle()
+        self._active.compiled.close()
 
-        ``uncorrected``: the bids as plugins made them; ``corrected``: the
+    def _shapes_of(self, inputs: Mapping[str, object]) -> tuple[object, ...]:
+        return tuple(getattr(inputs.get(n), "shape", None) for n in self.graph.inputs)
+
+    def _for_shape(self, key: BucketKey) -> AdaptiveRunner:
+        why = f"input sizes {dict(key)} are outside the plan's {dict(self._home)}: re-bid and re-planned at them"
+        self.replans.append(why)
+        log.info("adaptive.shape_bucket", bucket=dict(key), home=dict(self._home))
+        return AdaptiveRunner(at_dims(self.graph, dict(key)), self.host, self.inv, threshold=self.threshold,
+                              min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
+                              free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
+                              memory_every_s=self.memory_every_s, measure_close=self.measure_close)
+
+    def settle(self, timeout: float | None = 60.0) -> None:
+        """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
+        thread = self._background
+        if thread is not None:
+            thread.join(timeout)
+
+    def prediction_error(self, target: str | None = None) -> dict[str, float | int | None]:
+        """Median absolute relative error of partition predictions vs measurements: ``uncorrected``,
+        the bids as plugins made them; ``corrected``: the
         prediction with the corrections learned from earlier runs only (out
         of sample), over the runs where a correction existed, compared with
         ``uncorrected_same_runs``. ``target`` (``plugin@device``) narrows it.
@@ -202,29 +249,29 @@ class AdaptiveRunner:
 
     # -- internals -----------------------------------------------------------
 
-    def _factor(self, plugin: str, device: str, op_types: list[str], ratios: Mapping[Key, float]) -> float:
-        return float(statistics.fmean(ratios.get((plugin, device, t), 1.0) for t in op_types))
-
-    def _op_types(self, ops: list[str]) -> list[str]:
-        return [self.graph.op(o).op_type for o in ops]
-
-    def _plan(self) -> tuple[Plan, dict[Key, float]]:
-        """A plan on the corrected model, and the corrections it was made with."""
+    def _ranked(self) -> tuple[list[Plan], dict[Key, float]]:
+        """Plans on the corrected model, predicted best first, and the corrections they were made with."""
         with self._stats:
             ratios = dict(self._ratio)
         table = placer.BidTable(targets=self.table.targets, op_bids=self.table.op_bids, correction=ratios)
-        new = placer.plan(self.graph, self.host, self.inv, table=table)
-        if over_budget(self.graph, new, self.inv) and len({p.target.key for p in new.partitions}) == 1:
+        ranked = placer.candidates(self.graph, self.host, self.inv, table=table)
+        fits = [p for p in ranked if not over_budget(self.graph, p, self.inv)]
+        if not fits and len({p.target.key for p in ranked[0].partitions}) == 1:
             # The placer's single-target gate does not check memory budgets: plan
             # again without that target rather than run a plan that cannot fit.
-            key = new.partitions[0].target.key
+            key = ranked[0].partitions[0].target.key
             rest = [t for t in table.targets if placer.target_key(t) != key]
             if rest:
                 table = placer.BidTable(targets=rest, op_bids={
                     op: {k: b for k, b in bids.items() if k != key} for op, bids in table.op_bids.items()},
                     correction=table.correction)
-                new = placer.plan(self.graph, self.host, self.inv, table=table)
-        return new, ratios
+                fits = [placer.plan(self.graph, self.host, self.inv, table=table)]
+        return fits or ranked[:1], ratios
+
+    def _error(self) -> float:
+        """The cost model's current relative error: measured once runs corrected it, else the default."""
+        corrected = self.prediction_error()["corrected"]
+        return trial.DEFAULT_ERROR if corrected is None else float(corrected)
 
     def _drop(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
         """Charge a failed partition to its plugin and take its target's bids for those ops out."""
@@ -241,12 +288,68 @@ class AdaptiveRunner:
                     reason=str(cause))
 
     def _install_fresh(self, version: int) -> _Active:
-        """Plan and install, planning around partitions that fail (each failure drops at least one bid)."""
+        """Plan and install, planning around partitions that fail (each failure drops at least one bid);
+        rivals predicted within the model's error are left to race on the first caller's inputs."""
         while True:
+            ranked, ratios = self._ranked()
             try:
-                return self._install(*self._plan(), version=version)
+                active = self._install(ranked[0], ratios, version=version)
             except _StageFailed as failed:
                 self._drop(failed.exc, failed.stage)
+                continue
+            rivals = trial.close_rivals(ranked, self._error()) if self.measure_close else []
+            self._rivals = list(rivals)
+            if not rivals:
+                active.plan.decision = trial.predicted(ranked[0], ranked[1] if len(ranked) > 1 else None,
+                                                       self._error())
+            return active
+
+    def _race(self, inputs: dict[str, np.ndarray]) -> None:
+        """Race the waiting rivals against the current plan on ``inputs``; commit the fastest."""
+        if not self._racing.acquire(blocking=False):
+            return  # another caller is racing; this one runs on the current plan
+        try:
+            rivals, self._rivals = self._rivals, []
+            with self._swap:
+                current = self._active
+            installed: list[_Active] = []
+            with self._stats:
+                ratios = dict(self._ratio)
+            for rival in rivals:
+                if isinstance(rival, _Active):
+                    installed.append(rival)
+                    continue
+                try:
+                    installed.append(self._install(rival, ratios, version=current.version + 1))
+                except _StageFailed as failed:
+                    self._drop(failed.exc, failed.stage)
+            contenders = [current, *installed]
+            for a in installed:
+                self._raced.add(frozenset((_assignment_key(current.plan), _assignment_key(a.plan))))
+            if len(contenders) < 2:
+                return
+            try:
+                win, _ = trial.decide([a.plan for a in contenders],
+                                      [lambda c=a.compiled: c.run(inputs) for a in contenders], self._error())
+            except PartitionFailed as exc:  # charged; the caller's run then recovers if it was the current plan
+                self._drop(exc, "run")
+                win = 0
+            for i, a in enumerate(contenders):
+                if i != win and a is not current:
+                    a.compiled.close()
+            winner = contenders[win]
+            if not winner.plan.decision:
+                return
+            self.replans.append(winner.plan.decision)
+            log.info("adaptive.raced", decision=winner.plan.decision)
+            if winner is not current:
+                winner.version = current.version + 1
+                with self._swap:
+                    self._active = winner
+                with self._stats:
+                    self._backoff, self._next_check = 1, self.replan_every
+        finally:
+            self._racing.release()
 
     def _recover(self, failed: _Active, exc: PartitionFailed) -> None:
         with self._recovering:
@@ -268,46 +371,60 @@ class AdaptiveRunner:
             except PartitionFailed as exc:
                 compiled.close()
                 raise _StageFailed(exc, "run") from exc
-        # predicted_ms already carries the corrections the plan was made with; keep the raw bid.
-        raw = {p.id: p.predicted_ms / self._factor(p.plugin, p.device, self._op_types(p.ops), ratios)
-               for p in plan.partitions}
-        return _Active(version=version, plan=plan, compiled=compiled, raw_ms=raw)
+        parts = []
+        for p in plan.partitions:
+            types = Counter(self.graph.op(o).op_type for o in p.ops)
+            keys = [((p.plugin, p.device, t), n) for t, n in types.items()]
+            part = _Part(p.id, p.target.key, 0.0, keys, max(len(p.ops), 1), deque(maxlen=RATIO_WINDOW))
+            # predicted_ms already carries the corrections the plan was made with; keep the raw bid.
+            part.raw_ms = p.predicted_ms / (sum(ratios.get(k, 1.0) * n for k, n in keys) / part.n_ops)
+            parts.append(part)
+        return _Active(version=version, plan=plan, compiled=compiled, raw_ms={p.id: p.raw_ms for p in parts},
+                       parts=parts)
 
     def _observe(self, active: _Active, spans: dict[int, Span]) -> str | None:
         """Update the corrections from one run; return why to re-plan, if it is time to."""
+        ratios, correction, alpha = self._ratio, self.table.correction, self.alpha
         with self._stats:
             self._runs += 1
             active.runs += 1
             parts: dict[int, tuple[float, float]] = {}
-            for part in active.plan.partitions:
+            for part in active.parts:
                 span = spans.get(part.id)
-                raw = active.raw_ms[part.id]
-                if span is None or raw <= 0:
+                if span is None or part.raw_ms <= 0:
                     continue
-                types = self._op_types(part.ops)
-                keys = [(part.plugin, part.device, t) for t in dict.fromkeys(types)]
-                known = any(k in self._ratio for k in keys)
-                predicted = raw * self._factor(part.plugin, part.device, types, self._ratio)
-                self._samples.append(_Sample(part.target.key, raw, predicted, span.ms, known))
-                parts[part.id] = (predicted, span.ms)
-                for k in keys:
-                    recent = self._recent.setdefault(k, deque(maxlen=RATIO_WINDOW))
-                    recent.append(span.ms / raw)
-                    ratio = statistics.median(recent)
-                    old = self._ratio.get(k)
-                    self._ratio[k] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
-            self.table.correction.update(self._ratio)
+                ms = (span.end - span.start) * 1e3
+                known = any(k in ratios for k, _ in part.keys)
+                predicted = part.raw_ms * active.factor(part, ratios)
+                self._samples.append(_Sample(part.target, part.raw_ms, predicted, ms, known))
+                parts[part.id] = (predicted, ms)
+                part.recent.append(ms / part.raw_ms)
+                ratio = statistics.median(part.recent)
+                for k, _ in part.keys:
+                    old = ratios.get(k)
+                    ratios[k] = correction[k] = ratio if old is None else (1 - alpha) * old + alpha * ratio
             total = (max(s.end for s in spans.values()) - min(s.start for s in spans.values())) * 1e3 if spans else 0.0
             self.history.append(RunRecord(self._runs, active.version, total, parts))
             if active is not self._active:
                 return None  # a run that finished on a replaced plan triggers nothing
-            memory = self._memory_problems(active)
-            if memory:
-                return "memory: " + "; ".join(memory)
+            now = time.monotonic()
+            if now >= self._next_memory:  # a look at free memory costs more than a small run
+                self._next_memory = now + self.memory_every_s
+                memory = self._memory_problems(active)
+                if memory:
+                    return "memory: " + "; ".join(memory)
             if active.runs >= self.min_runs and active.runs >= self._next_check:
                 self._next_check = active.runs + self.replan_every * self._backoff
                 return "check"
         return None
+
+    def _adapt_in_background(self, reason: str) -> None:
+        thread = self._background
+        if thread is not None and thread.is_alive():
+            return  # a re-plan is under way; this check is moot
+        self._background = threading.Thread(target=self.adapt, args=(reason,), daemon=True,
+                                            name=f"dspark-replan-{self.graph.name}")
+        self._background.start()
 
     def _refresh_memory(self) -> None:
         for dev_id, free in self.free_memory().items():
@@ -326,16 +443,15 @@ class AdaptiveRunner:
     def _corrected_total(self, active: _Active) -> float:
         with self._stats:
             ratios = dict(self._ratio)
-        parts = sum(active.raw_ms[p.id] * self._factor(p.plugin, p.device, self._op_types(p.ops), ratios)
-                    for p in active.plan.partitions)
-        return parts + active.plan.transfer_ms
+        return sum(p.raw_ms * active.factor(p, ratios) for p in active.parts) + active.plan.transfer_ms
 
     def _adapt(self, reason: str) -> bool:
         active = self._active
         self._refresh_memory()
         t0 = time.perf_counter()
         try:
-            new, ratios = self._plan()
+            ranked, ratios = self._ranked()
+            new = ranked[0]
         except placer.PlacementError as exc:
             self.replans.append(f"{reason}; no feasible plan, keeping the current one: {exc}")
             log.warning("adaptive.no_plan", reason=reason, error=str(exc))
@@ -344,7 +460,20 @@ class AdaptiveRunner:
         current = self._corrected_total(active)
         memory = reason.startswith("memory")
         same = new.assignment() == active.plan.assignment()
-        faster = new.predicted_total_ms < current * (1 - self.threshold)
+        error = self._error()
+        faster = new.predicted_total_ms < current * (1 - max(self.threshold, error))
+        close = new.predicted_total_ms < current * (1 + error) and not faster
+        pair = frozenset((_assignment_key(new), _assignment_key(active.plan)))
+        if not same and not memory and close and self.measure_close and pair not in self._raced:
+            # Within the model's error of the current plan: race the two on the next caller's inputs.
+            try:
+                rival = self._install(new, ratios, version=active.version + 1)
+            except _StageFailed as failed:
+                self._drop(failed.exc, failed.stage)
+                return False
+            self._raced.add(pair)
+            self._rivals = [rival]
+            return False
         if same or not (memory or faster):
             self._backoff = min(self._backoff * 2, 64)  # steady state: check less and less often
             return False

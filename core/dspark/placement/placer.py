@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,7 @@ from dspark.types import Bid, Device
 log = get_logger("dspark.placement.placer")
 
 MEMORY_HEADROOM = 0.9  # of a device's free memory the plan may fill
+FreeMemory = Callable[[], Mapping[str, int | None]]  # device id -> free bytes (None: unknown)
 
 
 class PlacementError(ValueError):
@@ -168,6 +170,14 @@ def candidate_runs(graph: Graph, table: BidTable) -> dict[str, list[list[str]]]:
 def plan(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | None = None,
          time_limit_s: float = 20.0) -> Plan:
     """Place ``graph`` on the inventory's targets; see the module docstring."""
+    return candidates(graph, host, inv, table=table, time_limit_s=time_limit_s)[0]
+
+
+def candidates(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | None = None,
+               time_limit_s: float = 20.0) -> list[Plan]:
+    """The plan :func:`plan` picks, then its rivals (the solver's split and every single target
+    that can run the whole model within its budget) from predicted fastest to slowest: what a
+    measured choice between close bids (:mod:`dspark.placement.trial`) picks from."""
     table = table or collect_op_bids(host, inv, graph)
     by_key = {target_key(t): t for t in table.targets}
     for op in graph.ops:
@@ -200,18 +210,25 @@ def plan(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTable | No
                                     solver="single target"))
     if not singles:
         split.gate = "no single target can run every op within its memory budget: split required"
-        return split
-    best = min(singles, key=lambda p: p.predicted_total_ms)
-    for p in (split, best):
+        return [split]
+    singles.sort(key=lambda p: p.predicted_total_ms)
+    best = singles[0]
+    for p in (split, *singles):
         p.best_single_target, p.best_single_ms = best.partitions[0].target.key, best.predicted_total_ms
+    for p in singles[1:]:
+        p.gate = f"single target {p.partitions[0].target.key} predicted {p.predicted_total_ms:.3f} ms"
     if split.predicted_total_ms < best.predicted_total_ms and len(split.partitions) > 1:
         split.gate = (f"split predicted {split.predicted_total_ms:.3f} ms < best single target "
                       f"{best.partitions[0].target.key} {best.predicted_total_ms:.3f} ms")
-        return split
+        return [split, *singles]
     best.gate = (f"single target {best.partitions[0].target.key} predicted {best.predicted_total_ms:.3f} ms "
                  f"<= split {split.predicted_total_ms:.3f} ms")
     best.solver = split.solver
-    return best
+    rest = [p for p in singles[1:]]
+    if len(split.partitions) > 1:
+        split.gate = f"split predicted {split.predicted_total_ms:.3f} ms"
+        rest.append(split)
+    return [best, *sorted(rest, key=lambda p: p.predicted_total_ms)]
 
 
 def _explain(graph: Graph, host: PluginHost, inv: Inventory, table: BidTable,
@@ -262,3 +279,33 @@ def _explain(graph: Graph, host: PluginHost, inv: Inventory, table: BidTable,
                 hardware_fingerprint=hardware_fingerprint(
                     [Target(plugin=t.plugin, device_id=t.id, runtime=t.runtime) for t in table.targets]),
                 partitions=partitions, predicted_total_ms=total_ms, transfer_ms=transfer_s * 1e3, solver=solver)
+
+
+def plan_memory_needs(graph: Graph, plan: Plan) -> dict[str, int]:
+    """Bytes of weights each device holds under ``plan`` (the placer's memory model)."""
+    need: dict[str, int] = {}
+    for part in plan.partitions:
+        need[part.device] = need.get(part.device, 0) + sum(graph.op(o).param_bytes for o in part.ops)
+    return need
+
+
+def over_budget(graph: Graph, plan: Plan, inv: Inventory) -> list[str]:
+    """Why ``plan`` does not fit the inventory's free memory (empty when it fits)."""
+    problems = []
+    for dev, need in plan_memory_needs(graph, plan).items():
+        free = inv.device(dev).memory_free_bytes
+        if free is not None and need > free * MEMORY_HEADROOM:
+            problems.append(f"{dev} needs {need} B of weights > budget {int(free * MEMORY_HEADROOM)} B "
+                            f"({MEMORY_HEADROOM:.0%} of {free} B free)")
+    return problems
+
+
+def host_free_memory(inv: Inventory) -> FreeMemory:
+    """Cheap default: current available host memory for host-resident devices, others as probed."""
+    import psutil
+
+    def free() -> dict[str, int | None]:
+        avail = int(psutil.virtual_memory().available)
+        return {d.id: avail if d.kind == "cpu" else d.memory_free_bytes for d in inv.devices}
+
+    return free

@@ -63,6 +63,8 @@ class Plan(BaseModel):
     best_single_ms: float = 0.0
     gate: str = Field("", description="Why this plan and not a single target.")
     solver: str = ""
+    decision: str = Field("", description="How it won against its rivals: by prediction, or measured "
+                                          "against those whose predictions were within the cost model's error.")
 
     def to_json_dict(self) -> dict[str, object]:
         data = self.model_dump(mode="json")
@@ -85,13 +87,14 @@ class Plan(BaseModel):
 
 
 def graph_fingerprint(graph: Graph) -> str:
-    """Changes when the model's structure, shapes or weights change."""
+    """Changes when the model's structure, shapes (dim hints included) or weights change."""
     h = hashlib.sha256()
     for op in graph.ops:
         h.update(json.dumps([op.name, op.op_type, op.inputs, op.outputs, sorted(map(str, op.attrs.items()))],
                             default=str).encode())
     for name in sorted(graph.tensors):
         h.update(f"{name}:{graph.tensors[name].dtype}:{graph.tensors[name].shape}".encode())
+    h.update(json.dumps(sorted(graph.dim_hints.items())).encode())  # a plan is made at these sizes
     for name in sorted(graph.initializers):
         arr = graph.initializers[name]
         h.update(name.encode())

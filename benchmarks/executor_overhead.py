@@ -1,0 +1,152 @@
+"""The executor's per-run overhead: a one-partition plan against its plugin's executable alone.
+
+Usage: .venv/bin/python benchmarks/executor_overhead.py [--models demo,vit-tiny,llama-prefill-128] [--runs 400]
+
+For each model, the placer's plan is forced onto one target (OpenVINO CPU by
+default, ``--target``), then, in interleaved blocks (first run of each block
+dropped), medians of:
+ - the winning plugin's executable called directly;
+ - ``CompiledPlan.run`` (the executor);
+ - ``AdaptiveRunner.run`` (the executor plus the cost model's online correction).
+Target (issue 21): the adaptive runner within 2% or 20 us of the executable.
+
+Then the overhead itemised, with a null executable (returns its outputs
+without computing) so that only dspark's own work is timed, in microseconds
+per run: input dtype/layout checks, the locked call with its clock reads and
+spans, the per-run records, calibration's feedback (observe_run), and the
+adaptive runner's learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _graph(name: str) -> tuple[Any, dict[str, np.ndarray]]:
+    from dspark.graph.importers import load_model
+    from dspark.placement.executor import random_inputs
+
+    if name == "demo":
+        from dspark.cli.demo import demo_graph
+
+        graph = demo_graph()
+        return graph, random_inputs(graph, seed=1)
+    from models import MODELS
+
+    module, example = MODELS[name]()
+    graph = load_model(module, example_inputs=example, name=name)
+    return graph, {n: t.numpy() for n, t in zip(graph.inputs, example, strict=True)}
+
+
+class _Null:
+    """An executable that hands back the outputs it was given once: dspark's own work, timed alone."""
+
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        self.outputs = outputs
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.outputs
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(max(1, runs // block)):
+        for k, fn in fns.items():
+            fn()
+            for _ in range(block):
+                t = time.perf_counter()
+                fn()
+                samples[k].append((time.perf_counter() - t) * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def bench(name: str, target: str, runs: int) -> dict[str, Any]:
+    from dspark.host.inventory import probe
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.placement import executor
+    from dspark.placement.adaptive import AdaptiveRunner
+    from dspark.placement.executor import compile_plan, forced_plan
+    from dspark.sdk.calibration import observe_run
+
+    graph, feeds = _graph(name)
+    host = PluginHost().load()
+    inv = probe(host)
+    plan = forced_plan(graph, inv, lambda op: target)
+    compiled = compile_plan(graph, plan, host, inv)
+    pid = plan.partitions[0].id
+    exe = compiled.executables[pid]
+    sub_in = compiled._io[pid][0]
+    direct = {k: np.ascontiguousarray(feeds[k]) for k in sub_in}
+    # The adaptive runner on the same single target (its table holds that target's bids only).
+    runner = AdaptiveRunner(graph, host, inv, table=_only(host, inv, graph, target), measure_close=False)
+    for _ in range(20):
+        runner.run(feeds)
+    runner.settle()
+    row: dict[str, Any] = {"model": name, "ops": len(graph.ops), "target": target}
+    row.update(_interleaved({"executable_us": lambda: exe.run(direct), "compiled_plan_us": lambda: compiled.run(feeds),
+                             "adaptive_us": lambda: runner.run(feeds)}, runs))
+    row["compiled_over_us"] = row["compiled_plan_us"] - row["executable_us"]
+    row["adaptive_over_us"] = row["adaptive_us"] - row["executable_us"]
+    row["adaptive_ratio"] = row["adaptive_us"] / row["executable_us"]
+    # Itemised, on a null executable.
+    outputs = exe.run(direct)
+    null = _Null({k: np.asarray(v) for k, v in outputs.items()})
+    compiled.executables[pid] = null
+    runner.compiled.executables[pid] = null
+    spans: dict[int, executor.Span] = {}
+    env = dict(feeds)
+    pieces = _interleaved({
+        "inputs_checked": lambda: {n: executor._conform(feeds[n], compiled._dtype[n]) for n in graph.inputs},
+        "locked_call_and_span": lambda: compiled._run_one(pid, env, spans),
+        "compiled_plan_total": lambda: compiled.run(feeds),
+        "observe_run": lambda: observe_run(compiled, compiled.last_spans, env),
+        "adaptive_total": lambda: runner.run(feeds),
+    }, runs * 10)
+    pieces["adaptive_learning"] = pieces["adaptive_total"] - pieces["compiled_plan_total"]
+    pieces["observe_run_amortised"] = pieces["observe_run"] / executor.OBSERVE_EVERY
+    row["itemised_us"] = {k: round(v, 2) for k, v in pieces.items()}
+    compiled.close()
+    return row
+
+
+def _only(host: Any, inv: Any, graph: Any, target: str) -> Any:
+    from dspark.placement import placer
+
+    table = placer.collect_op_bids(host, inv, graph, targets=[d for d in inv.drivers()
+                                                              if f"{d.plugin}@{d.id}" == target])
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="demo,vit-tiny,llama-prefill-128")
+    ap.add_argument("--target", default="cpu@cpu", help="plugin@device the one partition runs on")
+    ap.add_argument("--runs", type=int, default=400)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = [bench(m, args.target, args.runs) for m in args.models.split(",")]
+    print(f"\n{'model':<20}{'ops':>5}{'executable us':>15}{'plan us':>10}{'adaptive us':>13}"
+          f"{'overhead us':>13}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['model']:<20}{r['ops']:>5}{r['executable_us']:>15.1f}{r['compiled_plan_us']:>10.1f}"
+              f"{r['adaptive_us']:>13.1f}{r['adaptive_over_us']:>13.1f}{r['adaptive_ratio']:>8.3f}")
+    print("\nitemised, us per run (null executable):")
+    for r in rows:
+        print(f"  {r['model']}: " + ", ".join(f"{k} {v}" for k, v in r["itemised_us"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

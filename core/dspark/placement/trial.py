@@ -1,0 +1,153 @@
+"""Measured choices between close bids: plans whose predictions are within the cost model's
+error are timed against each other on the caller's inputs before one is committed.
+
+A prediction is a calibrated bid plus a model of hand-overs; its error on a
+whole plan is a few percent to a few tens of percent (docs/benchmarks.md), so
+two plans predicted within that error of each other are a coin toss for the
+placer. Instead the rivals are compiled and raced: rounds in which each runs
+a short block on the same inputs, the block's first run dropped (it pays for
+the previous runtime's worker threads going idle, a cost of alternating that
+a committed plan never pays), so drifting load hits every rival alike. The
+lowest median wins; :attr:`Plan.decision` says by how much and on what.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dspark.host.log import get_logger
+from dspark.placement.plan import Plan
+
+log = get_logger("dspark.placement.trial")
+
+
+class CompiledPlanLike(Protocol):
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+DEFAULT_ERROR = 0.15  # the cost model's relative error before any run corrected it
+MIN_ERROR = 0.03  # a corrected model is never trusted closer than this
+MAX_RIVALS = 3
+ROUNDS = 6
+BLOCK = 3
+BUDGET_S = 2.0  # a race stops after the round that crosses this
+
+
+@dataclass(frozen=True)
+class Lap:
+    """One rival's result in a race."""
+
+    label: str
+    predicted_ms: float
+    median_ms: float
+    runs: int
+
+
+def label(plan: Plan) -> str:
+    """``cpu@cpu`` for a one-target plan, ``split cpu@cpu+npu@cpu (3 partitions)`` otherwise."""
+    keys = list(dict.fromkeys(p.target.key for p in plan.partitions))
+    if len(plan.partitions) == 1:
+        return keys[0]
+    return f"split {'+'.join(keys)} ({len(plan.partitions)} partitions)"
+
+
+def close_rivals(ranked: Sequence[Plan], error: float = DEFAULT_ERROR) -> list[Plan]:
+    """The plans after ``ranked[0]`` (the predicted best) predicted within ``error`` of it."""
+    if not ranked:
+        return []
+    best = ranked[0]
+    margin = max(error, MIN_ERROR)
+    seen = {tuple(sorted(best.assignment().items()))}
+    rivals: list[Plan] = []
+    for p in ranked[1:]:
+        key = tuple(sorted(p.assignment().items()))
+        if key in seen or p.predicted_total_ms > best.predicted_total_ms * (1 + margin):
+            continue
+        seen.add(key)
+        rivals.append(p)
+    return rivals[:MAX_RIVALS]
+
+
+def race(runs: Sequence[Callable[[], object]], *, rounds: int = ROUNDS, block: int = BLOCK,
+         budget_s: float = BUDGET_S) -> list[list[float]]:
+    """Interleaved timings (ms) of each callable: per round, one dropped run then ``block`` timed."""
+    samples: list[list[float]] = [[] for _ in runs]
+    t_end = time.perf_counter() + budget_s
+    for r in range(rounds):
+        for i, fn in enumerate(runs):
+            fn()
+            for _ in range(block):
+                t = time.perf_counter()
+                fn()
+                samples[i].append((time.perf_counter() - t) * 1e3)
+        if r >= 1 and time.perf_counter() > t_end:
+            break
+    return samples
+
+
+def decide(plans: Sequence[Plan], runs: Sequence[Callable[[], object]], error: float,
+           inputs: str = "the caller's inputs") -> tuple[int, list[Lap]]:
+    """Race ``runs`` (one per plan, ``plans[0]`` the predicted best); the winner's index, and its
+    :attr:`Plan.decision` written on every plan (each rival's says who beat it)."""
+    samples = race(runs)
+    laps = [Lap(label(p), p.predicted_total_ms, statistics.median(xs), len(xs))
+            for p, xs in zip(plans, samples, strict=True)]
+    win = int(np.argmin([lap.median_ms for lap in laps]))
+    w = laps[win]
+    others = "; ".join(f"{lap.label} {lap.median_ms:.3f} ms (predicted {lap.predicted_ms:.3f})"
+                       for i, lap in enumerate(laps) if i != win)
+    text = (f"measured: {w.label} {w.median_ms:.3f} ms (predicted {w.predicted_ms:.3f}) beat {others}; "
+            f"medians of {w.runs} interleaved runs each on {inputs}, raced because the predictions were "
+            f"within the cost model's error ({max(error, MIN_ERROR):.0%})")
+    for p in plans:
+        p.decision = text
+    return win, laps
+
+
+def predicted(plan: Plan, runner_up: Plan | None, error: float) -> str:
+    """The decision text of a plan that won on prediction alone."""
+    if runner_up is None:
+        return f"predicted: {label(plan)} {plan.predicted_total_ms:.3f} ms, no rival plan"
+    return (f"predicted: {label(plan)} {plan.predicted_total_ms:.3f} ms; the next best, {label(runner_up)} "
+            f"{runner_up.predicted_total_ms:.3f} ms, is beyond the cost model's error ({max(error, MIN_ERROR):.0%})")
+
+
+def choose(ranked: Sequence[Plan], compile: Callable[[Plan], CompiledPlanLike], inputs: dict[str, np.ndarray],
+           error: float = DEFAULT_ERROR, what: str = "the caller's inputs") -> Plan:
+    """The plan to commit from ``ranked`` (predicted best first): raced against its close rivals on
+    ``inputs`` when it has any (compiled with ``compile``; a rival that fails to compile or run is
+    left out), else the predicted best. Its :attr:`Plan.decision` says which and why."""
+    best = ranked[0]
+    rivals = close_rivals(ranked, error)
+    if not rivals:
+        best.decision = predicted(best, ranked[1] if len(ranked) > 1 else None, error)
+        return best
+    entrants: list[Plan] = []
+    compiled: list[CompiledPlanLike] = []
+    for p in [best, *rivals]:
+        try:
+            c = compile(p)
+            c.run(inputs)  # warm-up; also proves the plan runs
+        except Exception as exc:  # noqa: BLE001 - a rival that fails is left out; the failure was charged
+            if p is best:
+                raise
+            log.warning("trial.rival_failed", plan=label(p), error=f"{type(exc).__name__}: {exc}")
+            continue
+        entrants.append(p)
+        compiled.append(c)
+    try:
+        if len(entrants) < 2:
+            best.decision = f"predicted: {label(best)}; its close rivals failed to compile or run"
+            return best
+        win, _ = decide(entrants, [lambda c=c: c.run(inputs) for c in compiled], error, what)
+        return entrants[win]
+    finally:
+        for c in compiled:
+            c.close()

@@ -1,0 +1,145 @@
+"""Measured choices between close bids: two runtimes bid within the cost model's error, one of them
+is slowed on purpose, and the plan that is committed is the one that measured faster."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from dspark import TOLERANCES, hookimpl
+from dspark.cli.demo import demo_graph
+from dspark.graph.model import Graph, Subgraph
+from dspark.host.inventory import Inventory, probe
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.placement import placer, trial
+from dspark.placement.adaptive import AdaptiveRunner
+from dspark.placement.executor import random_inputs, reference_outputs
+from dspark.placement.plan import Plan
+from dspark.types import Bid, Device
+
+import dspark_plugins_cpu as openvino
+
+RTOL, ATOL = TOLERANCES["float32"]
+
+
+class _Delayed:
+    def __init__(self, exe: Any, extra_s: float) -> None:
+        self.exe, self.extra_s = exe, extra_s
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(self.extra_s)
+        out: dict[str, np.ndarray] = self.exe.run(inputs)
+        return out
+
+
+class TwinOpenVINO:
+    """OpenVINO under another name: it bids ``scale`` times OpenVINO's own calibrated bid, and its
+    compiled calls take ``extra_s`` longer than OpenVINO's."""
+
+    DSPARK_API_VERSION = "1.0"
+
+    def __init__(self, scale: float, extra_s: float) -> None:
+        self.scale, self.extra_s = scale, extra_s
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return openvino.dspark_probe_devices(refresh)
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Subgraph, device: Device) -> Bid | None:
+        bid = openvino.dspark_bid(subgraph, device)
+        if bid is None:
+            return None
+        return bid.model_copy(update={"latency_s": bid.latency_s * self.scale,
+                                      "fixed_overhead_s": bid.fixed_overhead_s * self.scale})
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> _Delayed | None:
+        exe = openvino.dspark_compile(subgraph, device)
+        return None if exe is None else _Delayed(exe, self.extra_s)
+
+
+def twin_host(scale: float, extra_s: float) -> tuple[PluginHost, Inventory]:
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "torch", "ngram"}))
+    host.register(TwinOpenVINO(scale, extra_s), "twin")
+    host.load()
+    inv = probe(host)
+    if {f"{d.plugin}@{d.id}" for d in inv.drivers()} != {"twin@cpu", "cpu@cpu"}:
+        pytest.skip(f"OpenVINO missing: {[p.model_dump() for p in inv.plugins]}")
+    return host, inv
+
+
+@pytest.fixture(scope="module")
+def demo() -> tuple[Graph, dict[str, np.ndarray], np.ndarray]:
+    graph = demo_graph()
+    x = random_inputs(graph, seed=3)
+    return graph, x, reference_outputs(graph, x)["y"]
+
+
+def keys(plan: Plan) -> set[str]:
+    return {p.target.key for p in plan.partitions}
+
+
+def test_close_bids_are_raced_and_the_measured_faster_wins(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray], tmp_path: Any) -> None:
+    graph, x, ref = demo
+    # The twin bids 3% under OpenVINO (well within the model's error) but runs 5 ms slower.
+    host, inv = twin_host(scale=0.97, extra_s=0.005)
+    runner = AdaptiveRunner(graph, host, inv)
+    assert keys(runner.plan) == {"twin@cpu"}, runner.plan.gate  # the prediction's pick
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    assert keys(runner.plan) == {"cpu@cpu"}, runner.replans
+    decision = runner.plan.decision
+    assert decision.startswith("measured: cpu@cpu") and "beat twin@cpu" in decision, decision
+    assert "the caller's inputs" in decision and runner.replans[-1] == decision
+    # The winner's decision is part of the saved plan.
+    runner.plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").decision == decision
+    # It stays committed: later runs use it, correctly.
+    for _ in range(3):
+        np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    assert keys(runner.plan) == {"cpu@cpu"}
+
+
+def test_bids_far_apart_are_not_raced(demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    graph, x, ref = demo
+    host, inv = twin_host(scale=3.0, extra_s=0.0)  # the twin bids 3x OpenVINO: no contest
+    runner = AdaptiveRunner(graph, host, inv)
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    assert keys(runner.plan) == {"cpu@cpu"}
+    assert runner.plan.decision.startswith("predicted: cpu@cpu"), runner.plan.decision
+    assert "beyond the cost model's error" in runner.plan.decision
+    assert not [r for r in runner.replans if r.startswith("measured")]
+
+
+def test_candidates_rank_the_rivals_and_close_ones_are_picked(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    graph, _, _ = demo
+    host, inv = twin_host(scale=0.97, extra_s=0.0)
+    ranked = placer.candidates(graph, host, inv)
+    totals = [p.predicted_total_ms for p in ranked]
+    assert totals == sorted(totals) and ranked[0].assignment() == placer.plan(graph, host, inv).assignment()
+    assert {"twin@cpu", "cpu@cpu"} <= {next(iter(keys(p))) for p in ranked if len(p.partitions) == 1}
+    rivals = trial.close_rivals(ranked, error=0.15)
+    assert any(keys(p) == {"cpu@cpu"} for p in rivals)
+    assert all(p.predicted_total_ms <= ranked[0].predicted_total_ms * 1.15 for p in rivals)
+    assert trial.close_rivals(ranked, error=0.0) == [p for p in ranked[1:] if p.predicted_total_ms
+                                                      <= ranked[0].predicted_total_ms * (1 + trial.MIN_ERROR)]
+
+
+def test_race_interleaves_and_drops_each_blocks_first_run() -> None:
+    calls: list[str] = []
+
+    def runner(name: str, seconds: float) -> Any:
+        def fn() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+        return fn
+
+    samples = trial.race([runner("a", 0.001), runner("b", 0.004)], rounds=3, block=2, budget_s=10)
+    assert calls == (["a"] * 3 + ["b"] * 3) * 3  # one dropped + two timed, per rival per round
+    assert [len(xs) for xs in samples] == [6, 6]
+    assert np.median(samples[0]) < np.median(samples[1])
