@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _graph(name: str) -> tuple[Any, dict[str, np.ndarray]]:
-    from dspark.graph.importers import load_model
     from dspark.placement.executor import random_inputs
 
     if name == "demo":
@@ -42,11 +41,9 @@ def _graph(name: str) -> tuple[Any, dict[str, np.ndarray]]:
 
         graph = demo_graph()
         return graph, random_inputs(graph, seed=1)
-    from models import MODELS
+    from models import load_graph
 
-    module, example = MODELS[name]()
-    graph = load_model(module, example_inputs=example, name=name)
-    return graph, {n: t.numpy() for n, t in zip(graph.inputs, example, strict=True)}
+    return load_graph(name)
 
 
 class _Null:

@@ -2,8 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/model_conformance.py [--plugins cpu,npu,torch]
 
-Each distinct op (by signature) of MiniLM-L6, the Llama prefill and the
-ResNet-18 is run alone on every plugin that bids for it, fed the activations
+Each distinct op (by signature) of every model there (``--models`` to pick) is run alone on every plugin that bids for it, fed the activations
 the model really produces there, and compared with the torch reference within
 the precision the plugin bid. Prints pass / abstain / fail counts.
 """
@@ -16,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import MODELS  # noqa: E402
+from models import MODELS, load_graph  # noqa: E402
 
-from dspark.graph.importers import load_model  # noqa: E402
 from dspark.testing import check_plugin, model_op_cases  # noqa: E402
 
 
@@ -30,9 +28,8 @@ def main() -> None:
     failed = False
     print(f"{'model':<20}{'plugin':<8}{'cases':>7}{'pass':>7}{'abstain':>9}{'fail':>6}")
     for name in args.models.split(","):
-        module, example = MODELS[name]()
-        graph = load_model(module, example_inputs=example, name=name)
-        cases = model_op_cases(graph, {n: t.numpy() for n, t in zip(graph.inputs, example, strict=True)})
+        graph, feeds = load_graph(name)
+        cases = model_op_cases(graph, feeds)
         for plugin in args.plugins.split(","):
             report = check_plugin(plugin, cases=cases)
             ran = [r for r in report.results if r.check == "matches reference"]

@@ -311,7 +311,7 @@ def test_a_run_at_other_sizes_is_replanned_at_its_bucket_and_the_bucket_is_reuse
         np.testing.assert_allclose(y, np.maximum(x @ W + B, 0), rtol=1e-4, atol=1e-5)
     shaped = [r for r in runner.replans if r.startswith("input sizes")]
     assert len(shaped) == 1 and "{'batch': 8}" in shaped[0], runner.replans
-    child = runner._shapes.get((("batch", 8),))
+    child = runner._shapes.plans.get((("batch", 8),))
     assert child is not None and child.graph.dim_hints["batch"] == 8
     # The child's bids were made at batch 8: its plan's inputs are priced at that size.
     def x_bytes(r: AdaptiveRunner) -> int:

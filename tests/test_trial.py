@@ -30,7 +30,10 @@ class _Delayed:
         self.exe, self.extra_s = exe, extra_s
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        time.sleep(self.extra_s)
+        # A busy wait: exact at a tenth of a millisecond, where a sleep would overshoot.
+        end = time.perf_counter() + self.extra_s
+        while time.perf_counter() < end:
+            pass
         out: dict[str, np.ndarray] = self.exe.run(inputs)
         return out
 
@@ -46,6 +49,7 @@ class TwinOpenVINO:
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> Any:
+        # OpenVINO's own devices and runtime name: the twin's bids come from OpenVINO's calibrations.
         return openvino.dspark_probe_devices(refresh)
 
     @hookimpl
@@ -86,8 +90,10 @@ def keys(plan: Plan) -> set[str]:
 def test_close_bids_are_raced_and_the_measured_faster_wins(
         demo: tuple[Graph, dict[str, np.ndarray], np.ndarray], tmp_path: Any) -> None:
     graph, x, ref = demo
-    # The twin bids 3% under OpenVINO (well within the model's error) but runs 5 ms slower.
-    host, inv = twin_host(scale=0.97, extra_s=0.005)
+    # The twin bids 3% under OpenVINO (well within the model's error) but runs 0.1 ms slower: about
+    # twice the demo graph's time, under the factor at which real runs would replace the calibration
+    # the twin shares with OpenVINO.
+    host, inv = twin_host(scale=0.97, extra_s=1e-4)
     runner = AdaptiveRunner(graph, host, inv)
     assert keys(runner.plan) == {"twin@cpu"}, runner.plan.gate  # the prediction's pick
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)

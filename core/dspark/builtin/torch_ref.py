@@ -18,6 +18,7 @@ real decode step.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -44,6 +45,7 @@ RUNTIME = "torch"
 _OP_OVERHEAD_S = 8e-6  # eager dispatch per op, before calibration
 
 
+@functools.cache  # metadata parsing costs more than a cached bid: once per process
 def _torch_version() -> str:
     try:
         return importlib.metadata.version("torch")

@@ -20,6 +20,7 @@ def main() -> None:
     import threading
 
     from dspark.host import log
+    from dspark.host.hook_threads import IDLE_NAME
 
     log.configure()
     code: int | str | None = 0
@@ -29,7 +30,7 @@ def main() -> None:
         code = exc.code
     # A plugin hook that hung past its timeout still owns a thread; it must not
     # keep the process alive or crash the interpreter's shutdown.
-    if any(t.name.startswith("dspark-hook-") and t.is_alive() for t in threading.enumerate()):
+    if any(t.name.startswith("dspark-hook-") and t.name != IDLE_NAME and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)

@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from dspark import hookspecs
 from dspark.graph.model import Subgraph
-from dspark.host import trace
+from dspark.host import hook_threads, trace
 from dspark.host.faults import FaultLedger, describe, scope_of
 from dspark.host.log import get_logger
 from dspark.host.settings import PluginSettings
@@ -338,24 +338,10 @@ def _dist_version(dist: str) -> str:
 
 
 def _call_with_timeout(fn: Callable[..., Any], args: list[Any], timeout: float, label: str) -> Any:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    # A daemon thread: a hung plugin cannot be killed, but it must not keep
-    # the process alive either.
-    thread = threading.Thread(target=target, name=f"dspark-hook-{label}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise HookTimeout(f"{label} did not return within {timeout:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    try:
+        return hook_threads.call_with_timeout(fn, args, timeout, label)
+    except hook_threads.CallTimeout as exc:
+        raise HookTimeout(str(exc)) from None
 
 
 _DRAFTERS = TypeAdapter(list[DrafterSpec])

@@ -32,15 +32,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Mapping
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 from dspark.placement import placer, trial
-from dspark.placement.placer import FreeMemory, host_free_memory, over_budget
-from dspark.placement.shapes import BucketKey, ShapePlans, at_dims, bind_dims, bucket
+from dspark.placement.placer import FreeMemory, PartCost, host_free_memory, over_budget
+from dspark.placement.shapes import BucketKey, ShapeRouter
 from dspark.placement.executor import CompiledPlan, PartitionFailed, Span, compile_plan, random_inputs
 from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
@@ -51,7 +50,7 @@ from dspark.host.plugin_manager import PluginHost
 log = get_logger("dspark.placement.adaptive")
 
 Key = tuple[str, str, str]  # (plugin, device id, op type)
-RATIO_WINDOW = 5  # recent measured/predicted ratios whose median feeds the average
+RECHECK_DRIFT = 0.25  # a re-plan check runs the placer only once a correction moved this much
 
 
 @dataclass
@@ -65,28 +64,12 @@ class RunRecord:
 
 
 @dataclass
-class _Part:
-    """What learning from one partition's span needs, computed once per installed plan."""
-
-    id: int
-    target: str
-    raw_ms: float  # prediction without any correction
-    keys: list[tuple[Key, int]]  # (plugin, device, op type) and how many of its ops have that type
-    n_ops: int
-    recent: deque[float]  # latest measured / raw ratios
-
-
-@dataclass
 class _Active:
     version: int
     plan: Plan
     compiled: CompiledPlan
-    raw_ms: dict[int, float]  # partition id -> prediction without any correction
-    parts: list[_Part]
+    parts: list[PartCost]
     runs: int = 0
-
-    def factor(self, part: _Part, ratios: Mapping[Key, float]) -> float:
-        return sum(ratios.get(k, 1.0) * n for k, n in part.keys) / part.n_ops
 
 
 class _StageFailed(Exception):
@@ -104,10 +87,6 @@ class _Sample:
     corrected_ms: float  # with the corrections known before this run
     measured_ms: float
     was_corrected: bool
-
-
-def _assignment_key(plan: Plan) -> str:
-    return repr(sorted(plan.assignment().items()))
 
 
 def _median_rel_error(pairs: list[tuple[float, float]]) -> float | None:
@@ -135,8 +114,7 @@ class AdaptiveRunner:
         self.history: deque[RunRecord] = deque(maxlen=10_000)
         self._samples: deque[_Sample] = deque(maxlen=10_000)
         self._ratio: dict[Key, float] = {}
-        self._swap = threading.Lock()  # guards self._active
-        self._stats = threading.Lock()  # guards ratios, samples, history, counters
+        self._swap, self._stats = threading.Lock(), threading.Lock()  # guard _active; ratios, records, counters
         self._adapting = threading.Lock()  # one re-plan at a time; others keep running
         self._recovering = threading.Lock()  # one recovery from a failed partition at a time
         self._racing = threading.Lock()  # one race between close plans at a time
@@ -147,12 +125,13 @@ class AdaptiveRunner:
         self._backoff = 1
         self._rivals: list[Plan | _Active] = []  # close plans to race on the next caller's inputs
         self._raced: set[frozenset[str]] = set()  # pairs of assignments already raced
+        self._checked: dict[Key, float] = {}  # the corrections the last re-plan check saw
+        self._scored: list[tuple[str, Plan, list[PartCost]]] = []  # the placer's ranked plans, re-scorable
         self._refresh_memory()
         self._active = self._install_fresh(version=0)
-        home = random_inputs(graph)  # the sizes the plan was made for: the dim hints
-        self._home: BucketKey = bucket(bind_dims(graph, home), graph.dim_hints)
-        self._buckets: dict[tuple[object, ...], BucketKey] = {self._shapes_of(home): self._home}
-        self._shapes: ShapePlans[AdaptiveRunner] = ShapePlans(max_shapes, on_evict=lambda _k, r: r.close())
+        self._shapes: ShapeRouter[AdaptiveRunner] = ShapeRouter(graph, self._for_shape, max_entries=max_shapes,
+                                                                on_evict=lambda _k, r: r.close())
+        trial.release_garbage()  # what calibrating and compiling left behind, before the first run
 
     # -- public --------------------------------------------------------------
 
@@ -170,14 +149,8 @@ class AdaptiveRunner:
         When close plans wait to be raced (see the module notes), this run races them first. Inputs
         at sizes of another shape bucket (:mod:`dspark.placement.shapes`) run on that bucket's plan,
         bid and placed at its sizes when first seen; sizes the graph cannot take raise ShapeMismatch."""
-        shapes = self._shapes_of(inputs)
-        key = self._buckets.get(shapes)
-        if key is None:
-            key = bucket(bind_dims(self.graph, inputs), self.graph.dim_hints)
-            if len(self._buckets) < 64:
-                self._buckets[shapes] = key
-        if key != self._home:
-            return self._shapes.get_or_build(key, lambda: self._for_shape(key)).run(inputs)
+        if (other := self._shapes.route(inputs)) is not None:
+            return other.run(inputs)
         if self._rivals:
             self._race(inputs)
         while True:
@@ -195,18 +168,15 @@ class AdaptiveRunner:
 
     def close(self) -> None:
         """Release every compiled plan (this one's and its other shape buckets')."""
-        self._shapes.clear()
+        self._shapes.plans.clear()
         self.settle()
         self._active.compiled.close()
 
-    def _shapes_of(self, inputs: Mapping[str, object]) -> tuple[object, ...]:
-        return tuple(getattr(inputs.get(n), "shape", None) for n in self.graph.inputs)
-
-    def _for_shape(self, key: BucketKey) -> AdaptiveRunner:
-        why = f"input sizes {dict(key)} are outside the plan's {dict(self._home)}: re-bid and re-planned at them"
-        self.replans.append(why)
-        log.info("adaptive.shape_bucket", bucket=dict(key), home=dict(self._home))
-        return AdaptiveRunner(at_dims(self.graph, dict(key)), self.host, self.inv, threshold=self.threshold,
+    def _for_shape(self, key: BucketKey, graph: Graph) -> AdaptiveRunner:
+        home = dict(self._shapes.home)
+        self.replans.append(f"input sizes {dict(key)} are outside the plan's {home}: re-bid and re-planned at them")
+        log.info("adaptive.shape_bucket", bucket=dict(key), home=home)
+        return AdaptiveRunner(graph, self.host, self.inv, threshold=self.threshold,
                               min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
                               free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
                               memory_every_s=self.memory_every_s, measure_close=self.measure_close)
@@ -254,19 +224,8 @@ class AdaptiveRunner:
         with self._stats:
             ratios = dict(self._ratio)
         table = placer.BidTable(targets=self.table.targets, op_bids=self.table.op_bids, correction=ratios)
-        ranked = placer.candidates(self.graph, self.host, self.inv, table=table)
-        fits = [p for p in ranked if not over_budget(self.graph, p, self.inv)]
-        if not fits and len({p.target.key for p in ranked[0].partitions}) == 1:
-            # The placer's single-target gate does not check memory budgets: plan
-            # again without that target rather than run a plan that cannot fit.
-            key = ranked[0].partitions[0].target.key
-            rest = [t for t in table.targets if placer.target_key(t) != key]
-            if rest:
-                table = placer.BidTable(targets=rest, op_bids={
-                    op: {k: b for k, b in bids.items() if k != key} for op, bids in table.op_bids.items()},
-                    correction=table.correction)
-                fits = [placer.plan(self.graph, self.host, self.inv, table=table)]
-        return fits or ranked[:1], ratios
+        ranked = placer.candidates(self.graph, self.host, self.inv, table=table)  # within the budgets
+        return [p for p in ranked if not over_budget(self.graph, p, self.inv)] or ranked[:1], ratios
 
     def _error(self) -> float:
         """The cost model's current relative error: measured once runs corrected it, else the default."""
@@ -297,6 +256,7 @@ class AdaptiveRunner:
             except _StageFailed as failed:
                 self._drop(failed.exc, failed.stage)
                 continue
+            self._scored = [(trial.assignment_key(p), p, placer.part_costs(self.graph, p, ratios)) for p in ranked]
             rivals = trial.close_rivals(ranked, self._error()) if self.measure_close else []
             self._rivals = list(rivals)
             if not rivals:
@@ -325,18 +285,25 @@ class AdaptiveRunner:
                     self._drop(failed.exc, failed.stage)
             contenders = [current, *installed]
             for a in installed:
-                self._raced.add(frozenset((_assignment_key(current.plan), _assignment_key(a.plan))))
+                self._raced.add(frozenset((trial.assignment_key(current.plan), trial.assignment_key(a.plan))))
             if len(contenders) < 2:
                 return
             try:
-                win, _ = trial.decide([a.plan for a in contenders],
-                                      [lambda c=a.compiled: c.run(inputs) for a in contenders], self._error())
+                win, laps = trial.decide([a.plan for a in contenders],
+                                         [lambda c=a.compiled: c.run(inputs) for a in contenders], self._error())
             except PartitionFailed as exc:  # charged; the caller's run then recovers if it was the current plan
                 self._drop(exc, "run")
-                win = 0
+                win, laps = 0, []
+            for a, lap in zip(contenders, laps, strict=False):  # every rival measured alike: all teach the model
+                with self._stats:
+                    for part in a.parts:
+                        timed = list(a.compiled.history[part.id])[-lap.runs:]
+                        if timed and part.raw_ms > 0:
+                            self._learn(part, statistics.median(timed) / part.raw_ms)
             for i, a in enumerate(contenders):
                 if i != win and a is not current:
                     a.compiled.close()
+            trial.release_garbage()
             winner = contenders[win]
             if not winner.plan.decision:
                 return
@@ -371,20 +338,13 @@ class AdaptiveRunner:
             except PartitionFailed as exc:
                 compiled.close()
                 raise _StageFailed(exc, "run") from exc
-        parts = []
-        for p in plan.partitions:
-            types = Counter(self.graph.op(o).op_type for o in p.ops)
-            keys = [((p.plugin, p.device, t), n) for t, n in types.items()]
-            part = _Part(p.id, p.target.key, 0.0, keys, max(len(p.ops), 1), deque(maxlen=RATIO_WINDOW))
-            # predicted_ms already carries the corrections the plan was made with; keep the raw bid.
-            part.raw_ms = p.predicted_ms / (sum(ratios.get(k, 1.0) * n for k, n in keys) / part.n_ops)
-            parts.append(part)
-        return _Active(version=version, plan=plan, compiled=compiled, raw_ms={p.id: p.raw_ms for p in parts},
-                       parts=parts)
+        return _Active(version=version, plan=plan, compiled=compiled, parts=placer.part_costs(self.graph, plan, ratios))
 
     def _observe(self, active: _Active, spans: dict[int, Span]) -> str | None:
         """Update the corrections from one run; return why to re-plan, if it is time to."""
-        ratios, correction, alpha = self._ratio, self.table.correction, self.alpha
+        ratios = self._ratio
+        # A re-plan compiling beside this run slows it: such spans would teach the model contention.
+        busy = self._background is not None and self._background.is_alive()
         with self._stats:
             self._runs += 1
             active.runs += 1
@@ -395,14 +355,12 @@ class AdaptiveRunner:
                     continue
                 ms = (span.end - span.start) * 1e3
                 known = any(k in ratios for k, _ in part.keys)
-                predicted = part.raw_ms * active.factor(part, ratios)
+                predicted = part.corrected(ratios)
                 self._samples.append(_Sample(part.target, part.raw_ms, predicted, ms, known))
                 parts[part.id] = (predicted, ms)
-                part.recent.append(ms / part.raw_ms)
-                ratio = statistics.median(part.recent)
-                for k, _ in part.keys:
-                    old = ratios.get(k)
-                    ratios[k] = correction[k] = ratio if old is None else (1 - alpha) * old + alpha * ratio
+                if not busy:
+                    part.recent.append(ms / part.raw_ms)
+                    self._learn(part, statistics.median(part.recent))
             total = (max(s.end for s in spans.values()) - min(s.start for s in spans.values())) * 1e3 if spans else 0.0
             self.history.append(RunRecord(self._runs, active.version, total, parts))
             if active is not self._active:
@@ -415,14 +373,41 @@ class AdaptiveRunner:
                     return "memory: " + "; ".join(memory)
             if active.runs >= self.min_runs and active.runs >= self._next_check:
                 self._next_check = active.runs + self.replan_every * self._backoff
-                return "check"
+                if self._drifted() and self._rival_close(active):
+                    return "check"
+                self._backoff = min(self._backoff * 2, 64)
         return None
+
+    def _learn(self, part: PartCost, ratio: float) -> None:
+        """Fold one measured / raw ratio into the corrections of the partition's op types (under _stats)."""
+        for k, _ in part.keys:
+            old = self._ratio.get(k)
+            self._ratio[k] = self.table.correction[k] = ratio if old is None else \
+                (1 - self.alpha) * old + self.alpha * ratio
+
+    def _rival_close(self, active: _Active) -> bool:
+        """Whether a plan the placer ranked, re-scored under the current corrections, comes within the
+        model's error of the current one (under _stats): only then is the placer worth running again."""
+        mine = trial.assignment_key(active.plan)
+        bar = placer.corrected_total(active.plan, active.parts, self._ratio) * (1 + trial.DEFAULT_ERROR)
+        return any(key != mine and placer.corrected_total(p, costs, self._ratio) < bar
+                   for key, p, costs in self._scored)
+
+    def _drifted(self) -> bool:
+        """Whether a correction moved by more than RECHECK_DRIFT since the last re-plan looked (under
+        _stats): the placer costs far more than a run, so it only runs when its inputs changed."""
+        seen = self._checked
+        moved = any(k not in seen or abs(v / seen[k] - 1) > RECHECK_DRIFT for k, v in self._ratio.items())
+        if moved:
+            self._checked = dict(self._ratio)
+        return moved
 
     def _adapt_in_background(self, reason: str) -> None:
         thread = self._background
         if thread is not None and thread.is_alive():
             return  # a re-plan is under way; this check is moot
-        self._background = threading.Thread(target=self.adapt, args=(reason,), daemon=True,
+        # Not a daemon: the interpreter waits for it at exit rather than kill it inside a runtime's compile.
+        self._background = threading.Thread(target=self.adapt, args=(reason,),
                                             name=f"dspark-replan-{self.graph.name}")
         self._background.start()
 
@@ -443,7 +428,7 @@ class AdaptiveRunner:
     def _corrected_total(self, active: _Active) -> float:
         with self._stats:
             ratios = dict(self._ratio)
-        return sum(p.raw_ms * active.factor(p, ratios) for p in active.parts) + active.plan.transfer_ms
+        return placer.corrected_total(active.plan, active.parts, ratios)
 
     def _adapt(self, reason: str) -> bool:
         active = self._active
@@ -452,20 +437,23 @@ class AdaptiveRunner:
         try:
             ranked, ratios = self._ranked()
             new = ranked[0]
+            self._scored = [(trial.assignment_key(p), p, placer.part_costs(self.graph, p, ratios)) for p in ranked]
         except placer.PlacementError as exc:
             self.replans.append(f"{reason}; no feasible plan, keeping the current one: {exc}")
             log.warning("adaptive.no_plan", reason=reason, error=str(exc))
             return False
         plan_s = time.perf_counter() - t0
         current = self._corrected_total(active)
-        memory = reason.startswith("memory")
+        memory, error = reason.startswith("memory"), self._error()
         same = new.assignment() == active.plan.assignment()
-        error = self._error()
-        faster = new.predicted_total_ms < current * (1 - max(self.threshold, error))
-        close = new.predicted_total_ms < current * (1 + error) and not faster
-        pair = frozenset((_assignment_key(new), _assignment_key(active.plan)))
-        if not same and not memory and close and self.measure_close and pair not in self._raced:
-            # Within the model's error of the current plan: race the two on the next caller's inputs.
+        faster = new.predicted_total_ms < current * (1 - self.threshold)
+        close = new.predicted_total_ms < current * (1 + error)
+        pair = frozenset((trial.assignment_key(new), trial.assignment_key(active.plan)))
+        if not same and not memory and (close or faster) and self.measure_close:
+            if pair in self._raced:  # measured already, and the race taught the model: no flip-flop
+                self._backoff = min(self._backoff * 2, 64)
+                return False
+            # A swap is a measured choice: the two race on the next caller's inputs.
             try:
                 rival = self._install(new, ratios, version=active.version + 1)
             except _StageFailed as failed:
@@ -487,11 +475,11 @@ class AdaptiveRunner:
         except _StageFailed as failed:
             self._drop(failed.exc, failed.stage)  # the next check plans without that bid
             return False
+        new.decision = f"re-planned ({reason}): {why}"
         with self._swap:
             self._active = installed
         with self._stats:
-            self._backoff = 1
-            self._next_check = self.replan_every
+            self._backoff, self._next_check = 1, self.replan_every
         moved = sorted({p.target.key for p in new.partitions})
         self.replans.append(f"{why} -> {', '.join(moved)}")
         log.info("adaptive.swap", reason=why, targets=moved, plan_s=round(plan_s, 3),

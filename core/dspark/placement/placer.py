@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from dspark.types import Bid, Device
 log = get_logger("dspark.placement.placer")
 
 MEMORY_HEADROOM = 0.9  # of a device's free memory the plan may fill
+RATIO_WINDOW = 5  # recent measured/predicted ratios whose median feeds a correction
 FreeMemory = Callable[[], Mapping[str, int | None]]  # device id -> free bytes (None: unknown)
 
 
@@ -309,3 +311,36 @@ def host_free_memory(inv: Inventory) -> FreeMemory:
         return {d.id: avail if d.kind == "cpu" else d.memory_free_bytes for d in inv.devices}
 
     return free
+
+
+@dataclass
+class PartCost:
+    """A partition's prediction without corrections, and the correction keys of its ops: what
+    re-scoring a plan under new corrections, and learning from a run's span, need (computed once)."""
+
+    id: int
+    target: str
+    raw_ms: float
+    keys: list[tuple[tuple[str, str, str], int]]  # (plugin, device, op type), ops of that type
+    n_ops: int
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RATIO_WINDOW))  # measured / raw
+
+    def corrected(self, ratios: Mapping[tuple[str, str, str], float]) -> float:
+        return self.raw_ms * sum(ratios.get(k, 1.0) * n for k, n in self.keys) / self.n_ops
+
+
+def part_costs(graph: Graph, plan: Plan, ratios: Mapping[tuple[str, str, str], float]) -> list[PartCost]:
+    """``plan``'s partitions as :class:`PartCost`; ``ratios``: the corrections it was made with."""
+    out = []
+    for p in plan.partitions:
+        n = max(len(p.ops), 1)
+        keys = [((p.plugin, p.device, t), c) for t, c in Counter(graph.op(o).op_type for o in p.ops).items()]
+        # predicted_ms already carries the corrections the plan was made with; keep the raw bid.
+        out.append(PartCost(p.id, p.target.key, p.predicted_ms * n / sum(ratios.get(k, 1.0) * c for k, c in keys),
+                            keys, n))
+    return out
+
+
+def corrected_total(plan: Plan, costs: list[PartCost], ratios: Mapping[tuple[str, str, str], float]) -> float:
+    """``plan``'s predicted total under ``ratios``."""
+    return sum(c.corrected(ratios) for c in costs) + plan.transfer_ms

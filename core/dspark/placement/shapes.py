@@ -51,7 +51,7 @@ from dspark.graph.flops import annotate_costs
 from dspark.graph.model import Graph
 from dspark.host.log import get_logger
 
-__all__ = ["BucketKey", "ShapeMismatch", "ShapePlans", "at_dims", "bind_dims", "bucket"]
+__all__ = ["BucketKey", "ShapeMismatch", "ShapePlans", "ShapeRouter", "at_dims", "bind_dims", "bucket"]
 
 log = get_logger("dspark.placement.shapes")
 
@@ -291,3 +291,47 @@ class ShapePlans(Generic[T]):
                 self.on_evict(key, value)
             except Exception as exc:  # noqa: BLE001 - a failing close must not fail the run that evicted it
                 log.warning("shapes.evict_failed", bucket=dict(key), error=f"{type(exc).__name__}: {exc}")
+
+
+class ShapeRouter(Generic[T]):
+    """Which plan a run's inputs belong to: None for the graph's own bucket (its dim hints), else
+    the runner of the inputs' bucket, built by ``build(bucket, graph at its sizes)`` when first seen.
+
+    The hot path is a dict lookup on the inputs' shapes; binding and bucketing run once per
+    distinct shape tuple (up to ``SHAPES_REMEMBERED``)."""
+
+    SHAPES_REMEMBERED = 64
+
+    def __init__(self, graph: Graph, build: Callable[[BucketKey, Graph], T], *, max_entries: int = 4,
+                 on_evict: Callable[[BucketKey, T], None] | None = None) -> None:
+        self.graph, self._build = graph, build
+        home_inputs = {n: np.zeros(_hinted_shape(graph, n), np.float32) for n in graph.inputs}
+        self.home = bucket(bind_dims(graph, home_inputs), graph.dim_hints)
+        self._seen: dict[tuple[object, ...], BucketKey] = {self._shapes(home_inputs): self.home}
+        self.plans: ShapePlans[T] = ShapePlans(max_entries, on_evict=on_evict)
+
+    def _shapes(self, inputs: Mapping[str, Any]) -> tuple[object, ...]:
+        return tuple(getattr(inputs.get(n), "shape", None) for n in self.graph.inputs)
+
+    def route(self, inputs: Mapping[str, Any]) -> T | None:
+        shapes = self._shapes(inputs)
+        key = self._seen.get(shapes)
+        if key is None:
+            key = bucket(bind_dims(self.graph, inputs), self.graph.dim_hints)  # raises ShapeMismatch
+            if len(self._seen) < self.SHAPES_REMEMBERED:
+                self._seen[shapes] = key
+        if key == self.home:
+            return None
+        return self.plans.get_or_build(key, lambda: self._build(key, at_dims(self.graph, dict(key))))
+
+
+def _hinted_shape(graph: Graph, name: str) -> tuple[int, ...]:
+    spec = graph.tensors[name]
+    return tuple(d if isinstance(d, int) else _hint(graph, d) for d in spec.shape)
+
+
+def _hint(graph: Graph, dim: str) -> int:
+    if dim in graph.dim_hints:
+        return int(graph.dim_hints[dim])
+    value = _evaluate(dim, graph.dim_hints)
+    return 1 if value is None else value

@@ -1,0 +1,72 @@
+"""Plugin calls under a timeout, on reusable worker threads.
+
+Every hook call runs on a worker thread so the caller can stop waiting after
+its timeout (a hung plugin cannot be killed, only abandoned). Starting a
+thread per call cost more than a small bid does, and planning makes hundreds
+of calls, so workers are kept: an idle one takes the next call; a call that
+finds none starts one; a worker abandoned by a timeout rejoins the idle set
+if its call ever returns. A worker is named ``dspark-hook-<plugin.hook>``
+while it runs a call and ``dspark-hook-idle`` otherwise, so a process can
+tell a hung plugin (``dspark.cli.main`` exits without waiting for it) from
+an idle worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+IDLE_NAME = "dspark-hook-idle"
+MAX_IDLE = 8  # idle workers kept; more exit once their call returns
+
+
+class CallTimeout(Exception):
+    """The call did not return within its timeout (its worker is abandoned)."""
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[..., Any], list[Any], dict[str, Any], threading.Event, str]] = \
+            queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=IDLE_NAME, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, box, done, label = self.jobs.get()
+            self.thread.name = f"dspark-hook-{label}"
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # re-raised in the caller's thread
+                box["error"] = exc
+            self.thread.name = IDLE_NAME
+            with _lock:  # idle again before the caller wakes: its next call finds this worker
+                keep = len(_idle) < MAX_IDLE
+                if keep:
+                    _idle.append(self)
+            done.set()
+            if not keep:
+                return
+
+
+_lock = threading.Lock()
+_idle: list[_Worker] = []
+
+
+def call_with_timeout(fn: Callable[..., Any], args: list[Any], timeout: float, label: str) -> Any:
+    """``fn(*args)`` on a worker thread; its result, or its exception re-raised here, or
+    :class:`CallTimeout` after ``timeout`` seconds."""
+    with _lock:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
+        worker = _Worker()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    worker.jobs.put((fn, args, box, done, label))
+    if not done.wait(timeout):
+        raise CallTimeout(f"{label} did not return within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
