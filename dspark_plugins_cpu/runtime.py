@@ -6,6 +6,7 @@ Nothing here imports ``openvino`` at module import time: the import costs
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 import threading
@@ -38,6 +39,7 @@ def core() -> ov.Core:
     return _core
 
 
+@functools.cache  # metadata parsing costs more than a cached bid: once per process
 def version() -> str:
     """The installed OpenVINO version, read from package metadata (no import)."""
     try:
