@@ -2,10 +2,11 @@
 
 Usage: .venv/bin/python benchmarks/executor_overhead.py [--models demo,vit-tiny,llama-prefill-128] [--runs 400]
 
-For each model, the placer's plan is forced onto one target (OpenVINO CPU by
-default, ``--target``), then, in interleaved blocks (first run of each block
-dropped), medians of:
- - the winning plugin's executable called directly;
+For each model, an adaptive runner on one target (OpenVINO CPU by default,
+``--target``), then, in interleaved blocks (first run of each block dropped),
+medians of, all on the runner's own compiled model:
+ - the plugin's executable called directly;
+ - a control: the executable, then a 15 us busy wait (shows the noise);
  - ``CompiledPlan.run`` (the executor);
  - ``AdaptiveRunner.run`` (the executor plus the cost model's online correction).
 Target (issue 21): the adaptive runner within 2% or 20 us of the executable.
@@ -44,6 +45,15 @@ def _graph(name: str) -> tuple[Any, dict[str, np.ndarray]]:
     from models import load_graph
 
     return load_graph(name)
+
+
+CONTROL_US = 15  # the control: the executable, then this long a busy wait (dspark's own work, roughly)
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
 
 
 class _Null:
@@ -94,7 +104,9 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     sub_in = compiled._io[pid][0]
     direct = {k: np.ascontiguousarray(feeds[k]) for k in sub_in}
     row: dict[str, Any] = {"model": name, "ops": len(graph.ops), "target": target}
-    row.update(_interleaved({"executable_us": lambda: exe.run(direct), "compiled_plan_us": lambda: compiled.run(feeds),
+    row.update(_interleaved({"executable_us": lambda: exe.run(direct),
+                             "control_us": lambda: (exe.run(direct), _spin(CONTROL_US)),
+                             "compiled_plan_us": lambda: compiled.run(feeds),
                              "adaptive_us": lambda: runner.run(feeds)}, runs))
     row["compiled_over_us"] = row["compiled_plan_us"] - row["executable_us"]
     row["adaptive_over_us"] = row["adaptive_us"] - row["executable_us"]
@@ -135,11 +147,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = [bench(m, args.target, args.runs) for m in args.models.split(",")]
-    print(f"\n{'model':<20}{'ops':>5}{'executable us':>15}{'plan us':>10}{'adaptive us':>13}"
+    print(f"\n{'model':<20}{'ops':>5}{'executable us':>15}{'control us':>12}{'plan us':>10}{'adaptive us':>13}"
           f"{'overhead us':>13}{'ratio':>8}")
     for r in rows:
-        print(f"{r['model']:<20}{r['ops']:>5}{r['executable_us']:>15.1f}{r['compiled_plan_us']:>10.1f}"
-              f"{r['adaptive_us']:>13.1f}{r['adaptive_over_us']:>13.1f}{r['adaptive_ratio']:>8.3f}")
+        print(f"{r['model']:<20}{r['ops']:>5}{r['executable_us']:>15.1f}{r['control_us']:>12.1f}"
+              f"{r['compiled_plan_us']:>10.1f}{r['adaptive_us']:>13.1f}{r['adaptive_over_us']:>13.1f}"
+              f"{r['adaptive_ratio']:>8.3f}")
+    print(f"control: the executable, then a {CONTROL_US} us busy wait; its distance from 'executable' beyond "
+          f"{CONTROL_US} us is this machine's noise between interleaved blocks")
     print("\nitemised, us per run (null executable):")
     for r in rows:
         print(f"  {r['model']}: " + ", ".join(f"{k} {v}" for k, v in r["itemised_us"].items()))
