@@ -261,3 +261,30 @@ def test_trace_prints_every_hook_call(args: tuple[str, ...], hooks: tuple[str, .
     for hook in hooks:
         assert any(f"plugin=torch hook={hook} " in ln and "outcome=ok" in ln for ln in lines), (hook, r.stderr[-2000:])
     assert all(" ms=" in ln and " outcome=" in ln for ln in lines)
+
+
+def test_a_plan_says_how_it_won(saved_plan: tuple[Path, dict[str, object]]) -> None:
+    _, data = saved_plan
+    decision = str(data["decision"])
+    # Without --measure nothing is raced: the decision is the prediction, naming any rival left unmeasured.
+    assert decision.startswith("predicted: "), decision
+    assert "use --measure" in decision or "beyond the cost model's error" in decision or "no rival" in decision
+
+
+def test_plan_measure_races_close_plans_and_saves_the_decision(model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "measured.json"
+    r = dspark("plan", str(model), "--measure", "--json", "--save", str(path))
+    assert r.returncode == 0, r.stderr
+    decision = json.loads(r.stdout)["decision"]
+    assert decision.startswith(("measured: ", "predicted: ")), decision
+    assert "use --measure" not in decision  # measured, or no rival was close enough to race
+    if decision.startswith("measured: "):
+        assert "random inputs" in decision and "beat" in decision
+    assert json.loads(path.read_text())["decision"] == decision
+
+
+def test_plan_measure_options_are_checked(model: Path, tmp_path: Path) -> None:
+    r = dspark("plan", str(model), "--inputs", str(tmp_path / "x.npz"))
+    assert r.returncode != 0 and "--inputs is for --measure" in r.stderr, r.stderr
+    r = dspark("plan", str(model), "--measure", "--devices", str(PROFILES / "cpu_box.yaml"))
+    assert r.returncode != 0 and "cannot measure a --devices profile" in r.stderr, r.stderr

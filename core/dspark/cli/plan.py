@@ -152,13 +152,13 @@ def plan_cmd(
         graph = load_graph(model)
         if inputs is not None and not measure:
             raise CLIError("--inputs is for --measure: without it no plan is run")
+        if measure and devices is not None:
+            raise CLIError("--measure runs the plans on this machine; it cannot measure a --devices profile")
         with _spinner("probing devices and collecting bids...", as_json):
             host, inv = _context(devices, plugin)
             t0 = time.perf_counter()
             ranked = placer.candidates(graph, host, inv)
             plan_s = time.perf_counter() - t0
-        if measure and devices is not None:
-            raise CLIError("--measure runs the plans on this machine; it cannot measure a --devices profile")
         with _spinner("racing close plans...", as_json or not measure):
             feeds = _load_inputs(graph, inputs) if measure else None
             what = f"the inputs in {inputs}" if inputs is not None else "random inputs"
