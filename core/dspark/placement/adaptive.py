@@ -256,13 +256,16 @@ class AdaptiveRunner:
             except _StageFailed as failed:
                 self._drop(failed.exc, failed.stage)
                 continue
-            self._scored = [(trial.assignment_key(p), p, placer.part_costs(self.graph, p, ratios)) for p in ranked]
-            rivals = trial.close_rivals(ranked, self._error()) if self.measure_close else []
-            self._rivals = list(rivals)
-            if not rivals:
-                active.plan.decision = trial.predicted(ranked[0], ranked[1] if len(ranked) > 1 else None,
-                                                       self._error())
+            self._score(ranked, ratios)
+            error = self._error()
+            self._rivals = list(trial.close_rivals(ranked, error)) if self.measure_close else []
+            if not self._rivals:
+                active.plan.decision = trial.predicted(ranked[0], ranked[1] if len(ranked) > 1 else None, error)
             return active
+
+    def _score(self, ranked: list[Plan], ratios: dict[Key, float]) -> None:
+        """Keep the placer's ranked plans re-scorable under later corrections (see _rival_close)."""
+        self._scored = [(trial.assignment_key(p), p, placer.part_costs(self.graph, p, ratios)) for p in ranked]
 
     def _race(self, inputs: dict[str, np.ndarray]) -> None:
         """Race the waiting rivals against the current plan on ``inputs``; commit the fastest."""
@@ -437,7 +440,7 @@ class AdaptiveRunner:
         try:
             ranked, ratios = self._ranked()
             new = ranked[0]
-            self._scored = [(trial.assignment_key(p), p, placer.part_costs(self.graph, p, ratios)) for p in ranked]
+            self._score(ranked, ratios)
         except placer.PlacementError as exc:
             self.replans.append(f"{reason}; no feasible plan, keeping the current one: {exc}")
             log.warning("adaptive.no_plan", reason=reason, error=str(exc))

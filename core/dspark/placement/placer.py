@@ -226,7 +226,7 @@ def candidates(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTabl
     best.gate = (f"single target {best.partitions[0].target.key} predicted {best.predicted_total_ms:.3f} ms "
                  f"<= split {split.predicted_total_ms:.3f} ms")
     best.solver = split.solver
-    rest = [p for p in singles[1:]]
+    rest = list(singles[1:])
     if len(split.partitions) > 1:
         split.gate = f"split predicted {split.predicted_total_ms:.3f} ms"
         rest.append(split)

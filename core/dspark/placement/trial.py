@@ -33,6 +33,7 @@ class CompiledPlanLike(Protocol):
 
     def close(self) -> None: ...
 
+
 DEFAULT_ERROR = 0.25  # the cost model's relative error before any run corrected it (its target, issue 3)
 MIN_ERROR = 0.03  # a corrected model is never trusted closer than this
 MAX_RIVALS = 3
@@ -53,8 +54,7 @@ class Lap:
 
 def release_garbage() -> None:
     """Collect now what planning left in reference cycles: compiled runtimes of calibrations and of
-    the plans that lost keep worker threads that slow the plan that won until the collector runs
-    (measured in docs/benchmarks.md, placement)."""
+    the plans that lost hold worker threads that slowed the winner's runs until the collector ran."""
     gc.collect()
 
 
