@@ -101,6 +101,48 @@ def test_paged_kernel_tiles_chunks_and_matches_sdpa_row_by_row(threads: int, hea
             torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"),
+                         [(8, 2, 256, 7, None), (4, 4, 24, 20, 3.0), (6, 2, 64, 1, None), (6, 3, 16, None, 0.5)])
+def test_paged_kernel_windows_and_softcaps_match_plain_attention(threads: int, heads: int, kv_heads: int,
+                                                                 head_dim: int, window: int | None,
+                                                                 softcap: float | None) -> None:
+    """Sliding windows (a row sees its last ``window`` positions; tiles of rows whose windows start at
+    different blocks) and tanh soft-capping, against plain attention row by row."""
+    k = _kernel_or_skip()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(head_dim + threads)
+    seqs = [(37, 1), (0, 9), (150, 33), (3, 64), (60, 5)]
+    P = 5
+    n_pages = sum(-(-(s + n) // P) for s, n in seqs)
+    kc = torch.randn(n_pages, P, kv_heads, head_dim, generator=g)
+    vc = torch.randn(n_pages, P, kv_heads, head_dim, generator=g)
+    width = max(-(-(s + n) // P) for s, n in seqs)
+    perm = torch.randperm(n_pages, generator=g).to(torch.int32)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    o = 0
+    for i, (s, n) in enumerate(seqs):
+        need = -(-(s + n) // P)
+        tables[i, :need] = perm[o:o + need]
+        o += need
+    row_seq = [i for i, (_, n) in enumerate(seqs) for _ in range(n)]
+    row_len = [s + j + 1 for s, n in seqs for j in range(n)]
+    q = torch.randn(len(row_seq), heads, head_dim, generator=g)
+    out = torch.zeros_like(q)
+    k(q, out, kc, vc, tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32),
+      head_dim ** -0.5, window, softcap)
+    for t, n in enumerate(row_len):
+        lo = max(0, n - window) if window else 0
+        slots = (tables[row_seq[t]].long()[:, None] * P + torch.arange(P)).reshape(-1)[lo:n]
+        kk = kc.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        vv = vc.view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        sc = torch.einsum("hd,nhd->hn", q[t], kk) * head_dim ** -0.5
+        if softcap:
+            sc = softcap * torch.tanh(sc / softcap)
+        ref = torch.einsum("hn,nhd->hd", sc.softmax(-1), vv)
+        torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=2e-5)
+
+
 def test_paged_kernel_refuses_what_it_cannot_run(checkpoint: Callable[[str], Path]) -> None:
     k = _kernel_or_skip()
     assert not k.supports(heads=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)

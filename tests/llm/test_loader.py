@@ -81,7 +81,8 @@ def test_unsupported_model_type(checkpoint: Callable[[str], Path], tmp_path: Pat
     d = _copy(checkpoint("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    with pytest.raises(CheckpointError, match=r"'gpt2' is not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(CheckpointError, match=r"'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, "
+                                              r"gemma2, gemma3_text, phi3, smollm3"):
         load_checkpoint(d)
 
 
@@ -106,9 +107,10 @@ def test_missing_tensor(checkpoint: Callable[[str], Path], tmp_path: Path) -> No
 def test_unsupported_rope_type(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     d = _copy(checkpoint("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "mrope", "factor": 4.0, "rope_theta": 10000.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="'yarn' is not supported; supported: default, linear, llama3"):
+    with pytest.raises(CheckpointError, match="'mrope' is not supported; supported: default, linear, dynamic, yarn, "
+                                              "longrope, llama3"):
         load_checkpoint(d)
 
 

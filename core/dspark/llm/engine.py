@@ -110,12 +110,7 @@ class LLMEngine:
         mcfg = self.runner.cfg
         if cfg.max_model_len is not None:
             _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
-        max_len = cfg.max_model_len or mcfg.max_position_embeddings
-        if cfg.max_model_len is None and mcfg.sliding_window is not None:
-            max_len = min(max_len, mcfg.sliding_window)  # within the window, full attention is exact
-        if mcfg.sliding_window is not None and max_len > mcfg.sliding_window:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's sliding_window {mcfg.sliding_window}, "
-                             "which this runner does not implement; lower max_model_len")
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings  # sliding windows are the runner's to honour
         total = cfg.max_total_tokens or max(8192, max_len)
         self.config = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
         self.max_model_len = max_len
@@ -359,7 +354,8 @@ class LLMEngine:
     def _chunk(self, p: ScheduledChunk) -> SeqChunk:
         """A planned prefill or decode chunk; with every row's logits while prompt logprobs are wanted."""
         s, a = p.seq, p.seq.num_computed
-        return SeqChunk(s.request_id, s.all_ids[a : a + p.num_tokens], all_logits=self._wants_prompt_lp(s))
+        return SeqChunk(s.request_id, s.all_ids[a : a + p.num_tokens], all_logits=self._wants_prompt_lp(s),
+                        prompt_len=len(s.prompt_ids))
 
     @staticmethod
     def _wants_prompt_lp(s: Sequence) -> bool:

@@ -443,6 +443,12 @@ def setup_dense_offload(runner: ModelRunner, mode: str, *, layer_devices: list[s
                         host: PluginHost | None = None, inv: Inventory | None = None,
                         ) -> tuple[DenseOffload | None, OffloadDecision]:
     """Decide and, when it pays (or is forced), install the offload on the runner's CPU layers."""
+    act = runner.cfg.hidden_act
+    if act not in ("silu", "swish"):  # the offloaded graph (build_mlp_graph) is SiLU-gated only
+        why = f"the {runner.cfg.model_type} MLP uses {act}; the offloaded MLP graph is SiLU only"
+        if mode != "auto":
+            raise ValueError(f"dense_offload={mode!r}: {why}")
+        return None, OffloadDecision(None, "cpu", 0, None, None, {}, why)
     if host is None or inv is None:
         host, inv = host_and_inventory("auto")  # it has to execute: the real plugins, never a profile
     decision = decide_dense_offload(runner, host, inv, mode=mode)

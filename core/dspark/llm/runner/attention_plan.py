@@ -4,6 +4,8 @@ Short chunks (decode rows, verification drafts, tiny prompts) go to the paged C
 kernel where it runs (:func:`kernel_plan`); otherwise decode rows are batched
 into padded SDPA calls grouped by length (:func:`decode_groups`), and every
 longer chunk is one SDPA call over its gathered pages (:func:`prefill_plan`).
+With a sliding window (``window``: a row sees its last this-many positions) the
+SDPA plans gather only the positions in the window and mask the band.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ KERNEL_MAX_CHUNK = 64
 
 
 def decode_groups(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
-                   dec: list[int]) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]]:
+                  dec: list[int], window: int | None = None,
+                  ) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]]:
     """The torch path's decode attention plan: (q rows, key length, K/V slots, mask) per SDPA group."""
     # Decode rows are grouped by length (sorted, then cut where padding a row up to its
     # group's longest costs more than another SDPA call); each group gathers only its
@@ -34,7 +37,7 @@ def decode_groups(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int]
     dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
     if dec:
         ps = cache.page_size
-        lens = [starts[i] + 1 for i in dec]
+        lens = [starts[i] + 1 if window is None else min(starts[i] + 1, window) for i in dec]
         order = sorted(range(len(dec)), key=lambda r: lens[r])
         sl = [lens[r] for r in order]
         # cost[j] = cheapest split of sorted rows [0, j); a group [i, j) costs one call
@@ -56,12 +59,21 @@ def decode_groups(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int]
         for a, b in reversed(bounds):
             members = sorted(order[a:b])  # row order within a group is free; keep step order
             glen = sl[b - 1]
-            width = cache.pages_for(glen)
-            pages = torch.zeros(len(members), width, dtype=torch.long)
-            for r, m in enumerate(members):
-                table = cache.block_tables[chunks[dec[m]].seq_id][:width]
-                pages[r, : len(table)] = torch.tensor(table)
-            slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
+            if window is None:
+                width = cache.pages_for(glen)
+                pages = torch.zeros(len(members), width, dtype=torch.long)
+                for r, m in enumerate(members):
+                    table = cache.block_tables[chunks[dec[m]].seq_id][:width]
+                    pages[r, : len(table)] = torch.tensor(table)
+                slots = ((pages * ps).unsqueeze(2) + torch.arange(ps)).view(len(members), -1)[:, :glen].reshape(-1)
+            else:  # each row's window: its last lens[m] positions, the padding pointing at its last one
+                per_row = []
+                for m in members:
+                    end = starts[dec[m]] + 1
+                    tab = torch.tensor(cache.block_tables[chunks[dec[m]].seq_id][: cache.pages_for(end)])
+                    pos = torch.clamp(torch.arange(end - lens[m], end - lens[m] + glen), max=end - 1)
+                    per_row.append(tab[pos // ps] * ps + pos % ps)
+                slots = torch.cat(per_row)
             mask = None
             if sl[a] != glen:
                 mlens = torch.tensor([lens[m] for m in members])
@@ -88,12 +100,19 @@ def kernel_plan(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], 
 
 
 def prefill_plan(cache: PagedKVCache, chunks: list[SeqChunk], starts: list[int], offsets: list[int],
-                 pre: list[int]) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
-    """Per chunk run by SDPA on its own: (first row, rows, its pages, causal mask over cached + new keys)."""
-    plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+                 pre: list[int], window: int | None = None,
+                 ) -> list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]:
+    """Per chunk run by SDPA on its own: (first row, rows, its pages, the first key's offset into them,
+    mask over cached + new keys; None = plain causal from position 0)."""
+    plan: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]] = []
+    ps = cache.page_size
     for i in pre:
         n, s = len(chunks[i].token_ids), starts[i]
-        pages = torch.tensor(cache.block_tables[chunks[i].seq_id][: cache.pages_for(s + n)])
-        mask = None if s == 0 else (torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None])
-        plan.append((offsets[i], n, pages, mask))
+        k0 = 0 if window is None else max(0, s - window + 1)  # the first row's earliest visible key
+        pages = torch.tensor(cache.block_tables[chunks[i].seq_id][k0 // ps : cache.pages_for(s + n)])
+        mask = None
+        if s > 0 or (window is not None and n > window):
+            kp, qp = torch.arange(k0, s + n)[None, :], torch.arange(s, s + n)[:, None]
+            mask = kp <= qp if window is None else (kp <= qp) & (kp > qp - window)
+        plan.append((offsets[i], n, pages, k0 % ps, mask))
     return plan

@@ -74,6 +74,10 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_tables: dict[str, list[int]] = {}
         self.seq_lens: dict[str, int] = {}
+        # For LongRoPE models (rope.py), kept by the runner: the sequences whose cache holds the long factors'
+        # keys, and every sequence's tokens, to recompute its cache when it crosses the switch.
+        self.long_rope: set[str] = set()
+        self.tokens: dict[str, list[int]] = {}
         self._bytes_per_page = 2 * num_layers * page_size * kv_heads * head_dim * self.k[0].element_size()
 
     # -- sequence lifecycle -------------------------------------------------
@@ -102,6 +106,8 @@ class PagedKVCache:
 
     def set_len(self, seq_id: str, new_len: int) -> None:
         self.seq_lens[seq_id] = new_len
+        if seq_id in self.tokens:
+            del self.tokens[seq_id][new_len:]
 
     def truncate(self, seq_id: str, n: int) -> None:
         """Drop the last ``n`` tokens (speculative rollback); pages left empty go back at once."""
@@ -109,6 +115,8 @@ class PagedKVCache:
         if not 0 <= n <= cur:
             raise ValueError(f"cannot roll back {n} tokens of sequence {seq_id} with {cur}")
         self.seq_lens[seq_id] = cur - n
+        if seq_id in self.tokens:
+            del self.tokens[seq_id][cur - n :]
         table = self.block_tables[seq_id]
         keep = self.pages_for(cur - n)
         if keep < len(table):
@@ -118,6 +126,8 @@ class PagedKVCache:
     def free(self, seq_id: str) -> None:
         table = self.block_tables.pop(seq_id, None)
         self.seq_lens.pop(seq_id, None)
+        self.long_rope.discard(seq_id)
+        self.tokens.pop(seq_id, None)
         if table:
             self.allocator.free(table)
 

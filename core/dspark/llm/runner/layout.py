@@ -25,6 +25,11 @@ class Layer:
     w_o: torch.Tensor
     w_gate_up_t: torch.Tensor  # [hidden, 2 * intermediate], transposed
     w_down: torch.Tensor
+    b_o: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: norms of the attention and MLP outputs
+    mlp_out_norm: torch.Tensor | None = None
     # Installed by quantization (dspark.llm.quantization.apply): x -> x @ W through a plugin's
     # compiled kernel. None = the float weight above runs.
     f_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -48,6 +53,9 @@ PROJECTIONS: tuple[tuple[str, str, bool, str], ...] = (
     ("mlp.down_proj", "w_down", False, "f_down"),
 )
 EMBED, HEAD = "model.embed_tokens", "lm_head"
+# Every tensor a Layer holds (what moves with it to a device, what its weight bytes count).
+LAYER_TENSORS = ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down", "b_o", "q_norm",
+                 "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
 # Widening projections (out > in) are stored transposed and run as ``x @ w_t``: MKL's GEMV

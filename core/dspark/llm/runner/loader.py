@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint of the Llama family into plain tensors.
+"""Load a local Hugging Face checkpoint of a supported family (families.py) into plain tensors.
 
 No ``transformers`` at run time and no remote code: we read config.json and
 the safetensors files ourselves, so what runs is exactly what we checked. An
@@ -17,12 +17,20 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import safe_open
 
+from dspark.llm.runner.families import (
+    SLIDING,
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    CheckpointError,
+    expected_shapes,
+    normalise,
+)
 from dspark.llm.runner.layout import EMBED, HEAD
 from dspark.llm.runner.quant_plan import QuantPlan
 from dspark.sdk.quant import QuantizedWeight, dequantize
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "CheckpointError", "ModelConfig", "expected_shapes",
+           "load_checkpoint", "load_config", "parse_config", "read_optimized", "source_parts"]
 DType = Literal["float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "auto"]
 # An optimized directory's plan and weights (what ``dspark convert`` writes, dspark.llm.quantization.convert).
 PLAN_FILE, WEIGHTS_FILE = "dspark_quant_plan.json", "model.safetensors"
@@ -33,12 +41,9 @@ _DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or field."""
-
-
 class ModelConfig(BaseModel):
-    """The subset of a Hugging Face config the runner needs, normalised across versions."""
+    """The subset of a Hugging Face config the runner needs, normalised across families and versions
+    (dspark.llm.runner.families says what each family's fields mean)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -55,8 +60,21 @@ class ModelConfig(BaseModel):
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    sliding_window: int | None = None
+    attention_bias: bool = False  # q/k/v biases
+    o_bias: bool = False
+    sliding_window: int | None = None  # the window of the layers whose layer_types entry is sliding_attention
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention or sliding_attention
+    rope_layers: tuple[bool, ...] = ()  # per layer: whether RoPE applies (SmolLM3 leaves some without)
+    local_rope: dict[str, Any] | None = None  # Gemma 3: the sliding layers' own RoPE (rope_type, rope_theta, ...)
+    partial_rotary_factor: float = 1.0  # the share of head_dim that RoPE rotates (Phi-4-mini: 0.75)
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma 2/3: (1 + w) RMSNorms, sqrt(hidden) embedding scale, norms on the attention and MLP outputs.
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 instead of head_dim ** -0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    fused_projections: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -67,29 +85,15 @@ class ModelConfig(BaseModel):
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (it attends to its last this-many positions), None = full."""
+        if self.sliding_window is None or not self.layer_types or self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    mt = raw.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{source}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    d = dict(raw)
-    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
-    if d.get("head_dim") is None and d.get("hidden_size") and d.get("num_attention_heads"):
-        d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-    # transformers 5 folds rope_theta and rope_scaling into rope_parameters; 4.x keeps them apart.
-    rp = d.get("rope_parameters")
-    if isinstance(rp, dict):
-        d["rope_theta"] = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-        d["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
-    if d.get("rope_theta") is None:
-        d["rope_theta"] = 10000.0
-    # Qwen2 always has q/k/v biases (and no attention_bias field).
-    if mt == "qwen2":
-        d["attention_bias"] = True
-    if mt == "qwen2" and not d.get("use_sliding_window", False):
-        d["sliding_window"] = None
+    d = normalise(raw, source)
     if d.get("torch_dtype") is None and isinstance(d.get("dtype"), str):
         d["torch_dtype"] = d["dtype"]  # transformers 5 renamed the field
     eos = d.get("eos_token_id")
@@ -100,42 +104,12 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     except ValidationError as e:
         fields = ", ".join(".".join(str(p) for p in err["loc"]) for err in e.errors())
         raise CheckpointError(f"{source}: missing or invalid field(s): {fields}") from e
-    if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(
-            f"{source}: rope scaling type {cfg.rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(
             f"{source}: num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
     return cfg
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the runner reads, by its Hugging Face name, with its shape."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    return shapes
 
 
 # CPU flags that mean native half-precision matmul; without them torch emulates it, several times slower than fp32.
@@ -260,7 +234,9 @@ def source_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int | None]]:
     prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
     d = cfg.head_dim
     parts: list[tuple[str, int | None]] = [(suffix, None)]
-    if suffix == "self_attn.qkv_proj":
+    if cfg.fused_projections:
+        pass  # the checkpoint's own tensors (Phi-3): qkv_proj and gate_up_proj as the runner holds them
+    elif suffix == "self_attn.qkv_proj":
         parts = [("self_attn.q_proj", cfg.num_attention_heads * d), ("self_attn.k_proj", cfg.num_key_value_heads * d),
                  ("self_attn.v_proj", cfg.num_key_value_heads * d)]
     elif suffix == "mlp.gate_up_proj":

@@ -1,4 +1,4 @@
-"""Our own Llama-family forward pass over the paged KV cache.
+"""Our own decoder forward pass over the paged KV cache, for every supported family (families.py).
 
 One ``step`` runs any mix of prefill chunks and decode tokens for many
 sequences: tokens are flattened for the dense parts (norms, projections, MLP;
@@ -9,24 +9,28 @@ paged kernel (paged_attention.c), all in one call per layer, reading K/V in
 place; longer chunks get one SDPA call each over their gathered pages. Where
 the kernel does not run, decode rows are batched into padded SDPA calls, one
 per group of similar length (K/V gathered slot by slot, index tensors built
-once per step).
+once per step). attention.py runs a layer's attention; what differs between
+families (q/k norms, Gemma's norms and scales, soft-caps, sliding windows, which
+RoPE a layer uses) is read from the config here, once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from dspark.llm.runner import packed_linear
-from dspark.llm.runner.attention_plan import KERNEL_MAX_CHUNK, decode_groups, kernel_plan, prefill_plan
+from dspark.llm.runner.attention import StepAttention
+from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
-from dspark.llm.runner.layout import EMBED, HEAD, PROJECTIONS, Layer, mm
+from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import ModelConfig, load_checkpoint, resolve_dtype
-from dspark.llm.runner.rope import apply_rope, cos_sin, inv_frequencies
+from dspark.llm.runner.rope import Rope, apply_rope, longrope_splits
 
 __all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
 
@@ -41,6 +45,9 @@ class SeqChunk:
     # With all_logits: return the final-normed hidden rows [n, hidden] instead of logits; the caller
     # runs ``ModelRunner.head`` on the rows it needs (greedy verification stops at the first mismatch).
     hidden_only: bool = False
+    # The sequence's prompt length where known: RoPE that changes with the context (LongRoPE, dynamic NTK)
+    # takes a prompt row's context as the whole prompt, as transformers' one-shot prefill does.
+    prompt_len: int | None = None
 
 
 def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -62,25 +69,10 @@ class ModelRunner:
         # directory whose embedding is int8 but whose lm_head stayed float).
         head = weights["lm_head.weight"] if "lm_head.weight" in weights else self.embed
         self.lm_head_t = head.t().contiguous()  # [hidden, vocab]; a copy even when tied (see the note in layout.py)
-        self.inv_freq = inv_frequencies(cfg)
-        self.layers: list[Layer] = []
-        for n in range(cfg.num_hidden_layers):
-            p = f"model.layers.{n}."
-            a = p + "self_attn."
-            # Fused QKV and gate/up: one matmul each instead of three and two.
-            bias = None
-            if cfg.attention_bias:
-                bias = torch.cat([weights[a + f"{x}_proj.bias"] for x in "qkv"])
-            self.layers.append(Layer(
-                in_norm=weights[p + "input_layernorm.weight"],
-                post_norm=weights[p + "post_attention_layernorm.weight"],
-                w_qkv_t=torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"]).t().contiguous(),
-                b_qkv=bias,
-                w_o=weights[a + "o_proj.weight"],
-                w_gate_up_t=torch.cat([weights[p + "mlp.gate_proj.weight"],
-                                       weights[p + "mlp.up_proj.weight"]]).t().contiguous(),
-                w_down=weights[p + "mlp.down_proj.weight"],
-            ))
+        self._family(cfg, dtype)
+        if cfg.gemma:
+            self.norm = self._gemma_norm(self.norm)
+        self.layers = [self._layer(cfg, weights, n) for n in range(cfg.num_hidden_layers)]
         # Per-layer torch devices once place() ran with anything but the CPU; None = all on the CPU.
         self.layer_devices: list[torch.device] | None = None
         # Optional prefill MLP replacement: (layer index, normed h) -> MLP output or None (torch runs it).
@@ -91,6 +83,63 @@ class ModelRunner:
         # "auto": the paged C kernel for short chunks where it builds and fits (dspark.llm.runner.paged_attention),
         # "torch": always gather + SDPA.
         self.attention = "auto"
+
+    def _family(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        """What the family changes in the forward, resolved once."""
+        # Gemma scales embeddings by sqrt(hidden), rounded to the model's dtype as transformers does.
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if cfg.gemma else None
+        self.attn_scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.act: Callable[[torch.Tensor], torch.Tensor] = (
+            F.silu if cfg.hidden_act in ("silu", "swish")
+            else functools.partial(F.gelu, approximate="tanh" if "tanh" in cfg.hidden_act else "none"))
+        self.windows = [cfg.window(n) for n in range(cfg.num_hidden_layers)]
+        # RoPEs: the model's, and Gemma 3's own for sliding layers; per layer its index, None = no RoPE.
+        d, mp, pr = cfg.head_dim, cfg.max_position_embeddings, cfg.partial_rotary_factor
+        self.ropes = [Rope({**(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}, d, mp, pr)]
+        if cfg.local_rope is not None:
+            self.ropes.append(Rope(cfg.local_rope, d, mp, pr))
+        # LongRoPE switches whole sequences at its original context length (rope.py).
+        self.longrope_orig = next((r.orig for r in self.ropes if r.kind == "longrope"), None)
+        self.layer_rope: list[int | None] = []
+        for n in range(cfg.num_hidden_layers):
+            local = cfg.local_rope is not None and bool(cfg.layer_types) and cfg.layer_types[n] == SLIDING
+            on = not cfg.rope_layers or cfg.rope_layers[n]
+            self.layer_rope.append((1 if local else 0) if on else None)
+
+    @staticmethod
+    def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
+        # Gemma's RMSNorm scales by (1 + w), computed in float32: folded once, kept in float32.
+        return 1.0 + w.float()
+
+    def _layer(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], n: int) -> Layer:
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        # Fused QKV and gate/up: one matmul each instead of three and two (Phi-3 stores them so).
+        if cfg.fused_projections:
+            qkv, gate_up = weights[a + "qkv_proj.weight"], weights[p + "mlp.gate_up_proj.weight"]
+        else:
+            qkv = torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"])
+            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+        norm = self._gemma_norm if cfg.gemma else (lambda w: w)
+        L = Layer(
+            in_norm=norm(weights[p + "input_layernorm.weight"]),
+            # The norm before the MLP: Llama calls it post_attention_layernorm, Gemma pre_feedforward_layernorm
+            # (its post_attention_layernorm normalises the attention output).
+            post_norm=norm(weights[p + ("pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm")
+                                   + ".weight"]),
+            w_qkv_t=qkv.t().contiguous(),
+            b_qkv=torch.cat([weights[a + f"{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None,
+            w_o=weights[a + "o_proj.weight"],
+            w_gate_up_t=gate_up.t().contiguous(),
+            w_down=weights[p + "mlp.down_proj.weight"],
+            b_o=weights[a + "o_proj.bias"] if cfg.o_bias else None,
+        )
+        if cfg.qk_norm:
+            L.q_norm, L.k_norm = norm(weights[a + "q_norm.weight"]), norm(weights[a + "k_norm.weight"])
+        if cfg.gemma:
+            L.attn_out_norm = norm(weights[p + "post_attention_layernorm.weight"])
+            L.mlp_out_norm = norm(weights[p + "post_feedforward_layernorm.weight"])
+        return L
 
     # -- projections as units (quantization) -------------------------------------------------
 
@@ -166,7 +215,7 @@ class ModelRunner:
                 total += t.numel() * t.element_size()
 
         for L in self.layers:
-            for name in ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down"):
+            for name in LAYER_TENSORS:
                 add(getattr(L, name))
         add(self.norm)
         add(self.embed)
@@ -197,7 +246,7 @@ class ModelRunner:
         for owner, _, _, pslot in self.float_projections():  # packed copies are CPU-only; pack again after
             setattr(owner, pslot, None)
         for L, d in zip(self.layers, devs):
-            for name in ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down"):
+            for name in LAYER_TENSORS:
                 t = getattr(L, name)
                 if t is not None:
                     setattr(L, name, t.to(d))
@@ -245,10 +294,13 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Same op order as HF LlamaRMSNorm: statistics in fp32, scale in model dtype.
-        # The fused kernel saves four dispatches per norm, which matters at batch 1.
+        # Same op order as HF LlamaRMSNorm: statistics in fp32, scale in model dtype; a float32 weight on
+        # half-precision x is Gemma's (1 + w), which scales in fp32 too. The fused kernel saves four
+        # dispatches per norm, which matters at batch 1.
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        if w.dtype == torch.float32:
+            return F.rms_norm(x.float(), (x.shape[-1],), w, self.cfg.rms_norm_eps).to(x.dtype)
         return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype)
 
     @torch.inference_mode()
@@ -259,7 +311,43 @@ class ModelRunner:
         the LM head (early exit, for self-drafting); only those layers' K/V are
         written, and the sequence lengths advance as for a full step.
         """
+        splits = {} if self.longrope_orig is None else longrope_splits(chunks, cache.seq_lens, self.longrope_orig)
+        if not splits:
+            return self._step(cache, chunks, exit_layer)
+        # A chunk crossing LongRoPE's switch: its rows before the switch run first, in short mode.
+        first = self._step(cache, [replace(chunks[i], token_ids=chunks[i].token_ids[:k]) for i, k in splits.items()],
+                           exit_layer)
+        rest = self._step(cache, [replace(ch, token_ids=ch.token_ids[splits[i]:]) if i in splits else ch
+                                  for i, ch in enumerate(chunks)], exit_layer)
+        heads = dict(zip(splits, first))
+        return [torch.cat([heads[i], r]) if i in heads and ch.all_logits else r
+                for i, (ch, r) in enumerate(zip(chunks, rest))]
+
+    def _longrope_switch(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        """Before a chunk that runs in the other LongRoPE mode than its sequence's cache holds (it crosses
+        the switch, or a rollback took it back), recompute that cache in the chunk's mode from the
+        sequence's tokens, all layers, as Phi-3's generate recomputes its cache at the crossing."""
+        orig = self.longrope_orig
+        assert orig is not None
+        for ch in chunks:
+            s = cache.seq_lens.get(ch.seq_id, 0)
+            long = max(s + len(ch.token_ids), ch.prompt_len or 0) > orig
+            if s > 0 and long != (ch.seq_id in cache.long_rope):
+                prefix = cache.tokens[ch.seq_id][:s]
+                cache.set_len(ch.seq_id, 0)
+                # prompt_len past the switch runs the prefix long; the prefix alone is short (s <= orig).
+                self._step(cache, [SeqChunk(ch.seq_id, prefix, prompt_len=orig + 1 if long else None)], None)
+            if s == 0 or long != (ch.seq_id in cache.long_rope):
+                (cache.long_rope.add if long else cache.long_rope.discard)(ch.seq_id)
+
+    def _step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None) -> list[torch.Tensor]:
         c = self.cfg
+        if self.longrope_orig is not None:
+            self._longrope_switch(cache, chunks)
+            for ch in chunks:
+                have = cache.tokens.setdefault(ch.seq_id, [])
+                del have[cache.seq_lens.get(ch.seq_id, 0):]
+                have.extend(ch.token_ids)
         H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         starts: list[int] = []
         for ch in chunks:
@@ -281,85 +369,69 @@ class ModelRunner:
                 slot_l.append(table[pos // ps] * ps + pos % ps)
         positions = torch.tensor(pos_l, dtype=torch.long)
         write_slots = torch.tensor(slot_l, dtype=torch.long)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        # Per row, the context length context-dependent RoPE goes by (rope.py): dynamic NTK the row's own,
+        # LongRoPE its sequence's after this step (a crossing chunk was split, so one mode per chunk).
+        ctx_row = ctx_seq = None
+        if any(r.by_context for r in self.ropes):
+            ctx_row = torch.tensor([max(pos + 1, ch.prompt_len or 0) for s, ch in zip(starts, chunks)
+                                    for pos in range(s, s + len(ch.token_ids))], dtype=torch.long)
+            ctx_seq = torch.tensor([max(s + len(ch.token_ids), ch.prompt_len or 0) for s, ch in zip(starts, chunks)
+                                    for _ in ch.token_ids], dtype=torch.long)
+        rope_cs = [r.cos_sin(positions, self.dtype, ctx_seq if r.kind == "longrope" else ctx_row) for r in self.ropes]
 
-        # Attention plan, shared by all layers: which rows, which cached slots, which mask.
         offsets, o = [], 0
         for ch in chunks:
             offsets.append(o)
             o += len(ch.token_ids)
         multi = any(len(ch.token_ids) > 1 for ch in chunks)  # a prefill (or verification) chunk is in this step
-        # Short chunks (decode rows, verification drafts, tiny prompts) go to the paged kernel when it
-        # runs here; otherwise decode rows are batched SDPA groups and every longer chunk is one SDPA call.
-        kern = self._kernel(cache)
-        if kern is not None:
-            short = [i for i, ch in enumerate(chunks) if len(ch.token_ids) <= KERNEL_MAX_CHUNK]
-            kplan = kernel_plan(cache, chunks, starts, offsets, short) if short else None
-            dec_plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
-            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > KERNEL_MAX_CHUNK]
-        else:
-            kplan = None
-            dec_plan = decode_groups(cache, chunks, starts, offsets,
-                                      [i for i, ch in enumerate(chunks) if len(ch.token_ids) == 1])
-            pre = [i for i, ch in enumerate(chunks) if len(ch.token_ids) > 1]
-        pre_plan = prefill_plan(cache, chunks, starts, offsets, pre)
+        # Attention plans, shared by all layers of one window: which rows, which cached slots, which mask.
+        plan = StepAttention(cache, chunks, starts, offsets, self._kernel(cache), self.windows)
 
         devs = self.layer_devices
         x = self._lookup(tokens if devs is None else tokens.to(self.embed.device))
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         T = x.shape[0]
         for li, L in enumerate(self.layers if exit_layer is None else self.layers[:exit_layer]):
             if devs is not None and devs[li] != x.device:
                 # Crossing to another device: the hidden state and the step's small plan tensors move.
                 d = devs[li]
-                x, cos, sin, write_slots = (t.to(d) for t in (x, cos, sin, write_slots))
-                dec_plan = [(r_.to(d), g_, s_.to(d), None if m_ is None else m_.to(d)) for r_, g_, s_, m_ in dec_plan]
-                pre_plan = [(o_, n_, p_.to(d), None if m_ is None else m_.to(d)) for o_, n_, p_, m_ in pre_plan]
+                x, write_slots = x.to(d), write_slots.to(d)
+                rope_cs = [(c.to(d), s_.to(d)) for c, s_ in rope_cs]
+                plan.to(d)
             h = self._rms(x, L.in_norm)
             qkv = L.f_qkv(h) if L.f_qkv is not None else mm(h, L.w_qkv_t, L.p_qkv, True)
             if L.b_qkv is not None:
                 qkv = qkv + L.b_qkv
-            qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)  # q and k in one go
+            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+            if L.q_norm is not None and L.k_norm is not None:
+                qk = torch.cat([self._rms(qk[:, :H], L.q_norm), self._rms(qk[:, H:], L.k_norm)], dim=1)
+            ri = self.layer_rope[li]
+            if ri is not None:
+                qk = apply_rope(qk, *rope_cs[ri])  # q and k in one go
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
             kc, vc = cache.k[li], cache.v[li]
             kc.view(-1, KVH, D)[write_slots] = k
             vc.view(-1, KVH, D)[write_slots] = v
-            kflat, vflat = kc.view(-1, KVH, D), vc.view(-1, KVH, D)
-            # A decode-only step with one group has its rows already in order: no gather/scatter of q.
-            whole = not pre_plan and len(dec_plan) == 1
-            attn = None if whole else torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-            if kplan is not None:
-                assert kern is not None and attn is not None
-                kern(q, attn, kc, vc, *kplan, D ** -0.5)
-            for rows, glen, slots, mask in dec_plan:
-                B = rows.shape[0]
-                qd = (q if whole else q.index_select(0, rows)).unsqueeze(2)  # [B, H, 1, D]
-                kd = kflat.index_select(0, slots).view(B, glen, KVH, D).transpose(1, 2)
-                vd = vflat.index_select(0, slots).view(B, glen, KVH, D).transpose(1, 2)
-                out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=H != KVH)
-                if attn is None:
-                    attn = out.squeeze(2)
-                else:
-                    attn.index_copy_(0, rows, out.squeeze(2))
-            for off, n, pages, mask in pre_plan:
-                L_ = n if mask is None else mask.shape[1]
-                qp = q[off : off + n].transpose(0, 1).unsqueeze(0)
-                kp = kc[pages].view(-1, KVH, D)[:L_].transpose(0, 1).unsqueeze(0)
-                vp = vc[pages].view(-1, KVH, D)[:L_].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=H != KVH
-                )
-                attn[off : off + n] = out[0].transpose(0, 1)
-            assert attn is not None
+            attn = plan(q, kc, vc, window=self.windows[li], scale=self.attn_scale,
+                        softcap=self.cfg.attn_logit_softcapping)
             a = attn.reshape(T, H * D)
-            x = x + (L.f_o(a) if L.f_o is not None else mm(a, L.w_o, L.p_o, False))
+            o_ = L.f_o(a) if L.f_o is not None else mm(a, L.w_o, L.p_o, False)
+            if L.b_o is not None:
+                o_ = o_ + L.b_o
+            if L.attn_out_norm is not None:
+                o_ = self._rms(o_, L.attn_out_norm)
+            x = x + o_
             h = self._rms(x, L.post_norm)
             mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and multi else None
             if mlp is None:
                 gu = L.f_gate_up(h) if L.f_gate_up is not None else mm(h, L.w_gate_up_t, L.p_gate_up, True)
                 g, u = gu.chunk(2, dim=-1)
-                a = F.silu(g) * u
+                a = self.act(g) * u
                 mlp = L.f_down(a) if L.f_down is not None else mm(a, L.w_down, L.p_down, False)
+            if L.mlp_out_norm is not None:
+                mlp = self._rms(mlp, L.mlp_out_norm)
             x = x + mlp
 
         for s, ch in zip(starts, chunks):
@@ -395,4 +467,7 @@ class ModelRunner:
     def head(self, hn: torch.Tensor) -> torch.Tensor:
         """fp32 logits on the host for final-normed hidden rows (what ``hidden_only`` chunks return)."""
         logits = (self.f_head(hn) if self.f_head is not None else mm(hn, self.lm_head_t, self.p_head, True)).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.cpu() if self.layer_devices is not None else logits  # the sampler lives on the host

@@ -10,6 +10,10 @@
  * Query head h uses KV head h / (H / KVH), as Hugging Face's repeat_kv does.
  * Row t attends to the first row_len[t] positions of sequence row_seq[t] (block table
  * tables[row_seq[t] * W ...]); row_len[t] == 0 leaves the row alone (another path runs it).
+ * With window > 0 (a sliding-window layer) only the last `window` of those: positions
+ * row_len[t] - window .. row_len[t] - 1, as transformers' sliding-window mask has it; key blocks
+ * wholly before a tile's window are never read. With softcap > 0 (Gemma 2) each scaled score s
+ * becomes softcap * tanh(s / softcap) before the softmax.
  *
  * Work is tiled: consecutive rows of one sequence whose lengths grow by one (a chunk: a
  * verification draft, a short prompt) form a tile, and one work item is a tile times a KV
@@ -65,6 +69,14 @@ static inline v8 exp_v8(v8 x) {
     return p * (v8)((ni + 127) << 23); /* times 2^n */
 }
 
+/* tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, in exp_v8's range. */
+static inline v8 tanh_v8(v8 x) {
+    const v8 ax = vsel(x < 0.0f, -x, x);
+    const v8 e = exp_v8(-2.0f * ax);
+    const v8 t = (1.0f - e) / (1.0f + e);
+    return vsel(x < 0.0f, -t, t);
+}
+
 static inline float hmax(v8 v) {
     float m = v[0];
     for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
@@ -75,7 +87,8 @@ static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2]
 
 static void run_item(const Tile tile, int32_t kh, const float *q, int64_t q_stride, float *out, const float *kc,
                      const float *vc, const int32_t *tables, int32_t W, const int32_t *row_seq,
-                     const int32_t *row_len, int32_t H, int32_t KVH, int32_t D, int32_t P, float scale) {
+                     const int32_t *row_len, int32_t H, int32_t KVH, int32_t D, int32_t P, float scale,
+                     int32_t window, float softcap) {
     const int32_t G = H / KVH, R = tile.m * G, NV = D / 8;
     const int64_t kstride = (int64_t)KVH * D; /* between consecutive positions of a page */
     const int32_t *table = tables + (int64_t)row_seq[tile.t0] * W;
@@ -92,7 +105,9 @@ static void run_item(const Tile tile, int32_t kh, const float *q, int64_t q_stri
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    for (int32_t start = 0; start < nmax; start += JB) {
+    /* The tile's first row sees the earliest positions; with a window, nothing before it is read. */
+    const int32_t lo0 = window > 0 && first_len > window ? first_len - window : 0;
+    for (int32_t start = lo0; start < nmax; start += JB) {
         const int32_t cnt = nmax - start < JB ? nmax - start : JB;
         /* K block transposed into kt[d][j] (zero past cnt), V rows by pointer. */
         for (int32_t j = 0; j < JB; j++) {
@@ -125,12 +140,21 @@ static void run_item(const Tile tile, int32_t kh, const float *q, int64_t q_stri
             const v8 ninf = (v8){0} - INFINITY;
             for (int32_t b = 0; b < RB && r0 + b < R; b++) {
                 const int32_t r = r0 + b;
-                /* Row i of the tile sees positions < first_len + i (causal within the chunk). */
+                /* Row i of the tile sees positions < first_len + i (causal within the chunk), and with a
+                 * window only those >= first_len + i - window. */
                 const int32_t vis_all = first_len + r / G - start;
                 if (vis_all <= 0) continue;
                 const int32_t vis = vis_all < cnt ? vis_all : cnt;
-                const v8i in0 = idx0 < vis, in1 = idx1 < vis;
-                const v8 t0 = vsel(in0, a[b][0], ninf), t1 = vsel(in1, a[b][1], ninf);
+                const int32_t lo_all = window > 0 ? vis_all - window : 0;
+                const int32_t lo = lo_all > 0 ? lo_all : 0;
+                if (lo >= vis) continue;
+                const v8i in0 = (idx0 < vis) & (idx0 >= lo), in1 = (idx1 < vis) & (idx1 >= lo);
+                v8 s0 = a[b][0], s1 = a[b][1];
+                if (softcap > 0.0f) {
+                    s0 = softcap * tanh_v8(s0 / softcap);
+                    s1 = softcap * tanh_v8(s1 / softcap);
+                }
+                const v8 t0 = vsel(in0, s0, ninf), t1 = vsel(in1, s1, ninf);
                 const float bm = hmax(vsel(t0 > t1, t0, t1));
                 const float mx = bm > m[r] ? bm : m[r];
                 const v8 e0 = vsel(in0, exp_v8(t0 - mx), (v8){0}), e1 = vsel(in1, exp_v8(t1 - mx), (v8){0});
@@ -150,7 +174,7 @@ static void run_item(const Tile tile, int32_t kh, const float *q, int64_t q_stri
                     const int32_t nv = NV - v0 < 8 ? NV - v0 : 8;
                     v8 o[8];
                     for (int32_t u = 0; u < 8; u++) o[u] = u < nv ? *(const v8 *)(ar + (v0 + u) * 8) : (v8){0};
-                    for (int32_t j = 0; j < vis; j++) {
+                    for (int32_t j = lo; j < vis; j++) {
                         const float p = sr[j];
                         const float *vj = vrow[j] + v0 * 8;
                         if (nv == 8) {
@@ -181,7 +205,7 @@ static inline int continues_run(const int32_t *row_seq, const int32_t *row_len, 
 void dspark_paged_attention(const float *q, int64_t q_stride, float *out, const float *kc, const float *vc,
                             const int32_t *tables, int32_t W, const int32_t *row_seq, const int32_t *row_len,
                             int32_t T, int32_t H, int32_t KVH, int32_t D, int32_t P, float scale,
-                            int32_t nthreads) {
+                            int32_t window, float softcap, int32_t nthreads) {
     const int32_t G = H / KVH;
     const int32_t max_rows = RMAX / G > 0 ? RMAX / G : 1;
     /* Runs: maximal stretches of consecutive rows of one sequence, lengths growing by one. */
@@ -218,7 +242,7 @@ void dspark_paged_attention(const float *q, int64_t q_stride, float *out, const 
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         run_item(tiles[item / KVH], (int32_t)(item % KVH), q, q_stride, out, kc, vc, tables, W, row_seq, row_len,
-                 H, KVH, D, P, scale);
+                 H, KVH, D, P, scale, window, softcap);
     }
     free(tiles);
 }

@@ -61,12 +61,14 @@ def _build() -> Path:
 
 
 class PagedAttention:
-    """``kernel(q, out, k_pages, v_pages, tables, row_seq, row_len, scale)``; see paged_attention.c."""
+    """``kernel(q, out, k_pages, v_pages, tables, row_seq, row_len, scale, window, softcap)``; see
+    paged_attention.c."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.dspark_paged_attention
         self._fn.restype = None
-        self._fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32]
+        self._fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _F32,
+                             _I32]
         g, d, p = _I32(), _I32(), _I32()
         lib.dspark_paged_attention_limits(ctypes.byref(g), ctypes.byref(d), ctypes.byref(p))
         self.max_group, self.max_head_dim, self.max_page = g.value, d.value, p.value
@@ -76,9 +78,11 @@ class PagedAttention:
                 and head_dim <= self.max_head_dim and head_dim % 8 == 0 and page_size <= self.max_page)
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                 tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor, scale: float) -> None:
+                 tables: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor, scale: float,
+                 window: int | None = None, softcap: float | None = None) -> None:
         """q [T, H, D] (rows may be strided, heads contiguous); out [T, H, D]; pages [N, P, KVH, D];
-        tables int32 [S, W]; row_seq, row_len int32 [T]. Writes the rows with row_len > 0 of ``out``."""
+        tables int32 [S, W]; row_seq, row_len int32 [T]. Writes the rows with row_len > 0 of ``out``.
+        ``window``: each row sees only its last this-many positions; ``softcap``: scores capped by tanh."""
         T, H, D = q.shape
         _, P, KVH, _ = k_pages.shape
         f32 = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, out, k_pages, v_pages))
@@ -88,29 +92,35 @@ class PagedAttention:
             raise ValueError("paged attention: a tensor has the wrong layout or dtype")
         self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                  tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), row_len.data_ptr(), T, H, KVH, D, P,
-                 scale, torch.get_num_threads())
+                 scale, window or 0, softcap or 0.0, torch.get_num_threads())
 
 
 def _self_check(k: PagedAttention) -> None:
-    """The kernel against SDPA on a small random case with GQA, several pages and a partial one."""
-    import torch.nn.functional as F
-
+    """The kernel against plain attention on a small random case with GQA, several pages and a partial
+    one; plain, then with a sliding window and soft-capping."""
     g = torch.Generator().manual_seed(0)
     H, KVH, D, P, lens = 4, 2, 16, 4, [1, 6, 9]
     kc = torch.randn(8, P, KVH, D, generator=g)
     vc = torch.randn(8, P, KVH, D, generator=g)
     tables = torch.tensor([[5, 0, 0], [1, 7, 0], [2, 4, 6]], dtype=torch.int32)
     q = torch.randn(3, H, D, generator=g)
-    out = torch.zeros(3, H, D)
-    k(q, out, kc, vc, tables, torch.arange(3, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), D ** -0.5)
-    for i, n in enumerate(lens):
-        slots = (tables[i].long()[:, None] * P + torch.arange(P)).reshape(-1)[:n]
-        kk = kc.view(-1, KVH, D)[slots].transpose(0, 1)
-        vv = vc.view(-1, KVH, D)[slots].transpose(0, 1)
-        ref = F.scaled_dot_product_attention(q[i][:, None], kk, vv, enable_gqa=True)[:, 0]
-        err = float((ref - out[i]).abs().max())
-        if not err < 1e-4:
-            raise RuntimeError(f"self-check differs from SDPA by {err:.2e} (row {i})")
+    for window, cap in ((None, None), (4, 2.0)):
+        out = torch.zeros(3, H, D)
+        k(q, out, kc, vc, tables, torch.arange(3, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+          D ** -0.5, window, cap)
+        for i, n in enumerate(lens):
+            lo = max(0, n - window) if window else 0
+            slots = (tables[i].long()[:, None] * P + torch.arange(P)).reshape(-1)[lo:n]
+            kk = kc.view(-1, KVH, D)[slots].repeat_interleave(H // KVH, dim=1)  # [n, H, D]
+            vv = vc.view(-1, KVH, D)[slots].repeat_interleave(H // KVH, dim=1)
+            s = torch.einsum("hd,nhd->hn", q[i], kk) * D ** -0.5
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            ref = torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
+            err = float((ref - out[i]).abs().max())
+            if not err < 1e-4:
+                raise RuntimeError(f"self-check differs from plain attention by {err:.2e} (row {i}, window "
+                                   f"{window}, softcap {cap})")
 
 
 @functools.cache

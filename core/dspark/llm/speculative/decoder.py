@@ -175,7 +175,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
             return base
         s = p.seq
         lazy = s.params.greedy and s.plain  # processed rows and logprobs need every row's logits
-        return SeqChunk(s.request_id, list(base.token_ids) + toks, all_logits=True, hidden_only=lazy)
+        return SeqChunk(s.request_id, list(base.token_ids) + toks, all_logits=True, hidden_only=lazy,
+                        prompt_len=base.prompt_len)
 
     def verify(self, prop: Proposal, chunks: list[SeqChunk], logits: list[torch.Tensor], fwd_start: float) -> None:
         """After the target's forward over ``chunks`` (started at ``fwd_start``, perf_counter): greedy
