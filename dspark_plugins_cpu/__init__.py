@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from dspark.graph import Subgraph
     from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (names of dspark.sdk)
+DSPARK_API_VERSION = "1.5"  # control-flow bodies (dspark.graph.body_op_types), TensorSpec.rank_known
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from dspark.graph import Op, Subgraph
+from dspark.graph import Op, Subgraph, body_op_types, free_names, op_graphs
 
 # dtypes the executable's numpy bridge cannot carry across the boundary.
 NO_NUMPY_BRIDGE = frozenset({"bfloat16", "int4", "uint4"})
@@ -119,6 +119,12 @@ def _quantize_linear(op: Op, sg: Subgraph) -> str | None:
     return None
 
 
+def _scan(op: Op, sg: Subgraph) -> str | None:
+    if any(free_names(body) for body in op_graphs(op)):
+        return "Scan whose body reads values of the outer graph: OpenVINO's frontend computes it wrong or fails"
+    return None
+
+
 def _always(reason: str) -> Callable[[Op, Subgraph], str | None]:
     return lambda op, sg: reason
 
@@ -142,6 +148,7 @@ DEFECTS: dict[str, Callable[[Op, Subgraph], str | None]] = {
     "Resize": _resize,
     "RNN": _recurrent,
     "RoiAlign": _roi_align,
+    "Scan": _scan,
     "SpaceToDepth": _space_to_depth,
     "Tile": _tile,
     "TopK": _always("TopK orders tied values differently from ONNX (lower index first)"),
@@ -154,8 +161,15 @@ def known_defect(subgraph: Subgraph) -> str | None:
     for t in subgraph.inputs + subgraph.outputs:
         if t in tensors and tensors[t].dtype in NO_NUMPY_BRIDGE:
             return f"boundary tensor {t!r} is {tensors[t].dtype}, which the numpy bridge cannot carry"
+        if t in subgraph.inputs and t in tensors and not tensors[t].rank_known:
+            return f"input {t!r} has an unknown rank, which OpenVINO's CPU plugin cannot take"
     for op in subgraph.ops:
         rule = DEFECTS.get(op.op_type) if op.domain in ("", "ai.onnx") else None
         if rule is not None and (reason := rule(op, subgraph)) is not None:
             return f"op {op.name!r} ({op.op_type}): {reason}"
+        # A control-flow body's tensors have no specs out here, so the rules cannot look at them.
+        inner = sorted({t for d, t in body_op_types(op) if d == ""} & DEFECTS.keys())
+        if inner:
+            return (f"op {op.name!r} ({op.op_type}): its body holds {', '.join(inner)}, "
+                    "whose defects cannot be ruled out")
     return None

@@ -10,6 +10,9 @@ checks leave out what OpenVINO would run but not answer right:
 * op signatures whose OpenVINO kernels disagree with the ONNX specification
   (:data:`.defects.DEFECTS`, found with ONNX's own node tests; see
   docs/onnx-node-conformance.md).
+
+A subgraph with control flow (``If``, ``Loop``, ``Scan``) is also compiled:
+``query_model`` claims such an op without looking into its bodies.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from dspark.graph import Subgraph
+from dspark.graph import Subgraph, has_subgraphs
 from dspark_plugins_cpu import defects, ports, runtime
 
 _MAX_ENTRIES = 4096
@@ -74,6 +77,12 @@ def _query(subgraph: Subgraph, ov_name: str) -> str | None:
         ports.output_ports(subgraph, list(model.outputs))
     except KeyError as exc:
         return str(exc)
+    if any(has_subgraphs(op) for op in subgraph.ops):
+        # query_model claims a control-flow op without looking into its bodies; compiling does.
+        try:
+            runtime.core().compile_model(model, ov_name, runtime.compile_config(ov_name))
+        except Exception as exc:
+            return f"{ov_name} cannot compile its control flow: {_first_line(exc)}"
     return None
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from dspark.types import Bid, Device, QuantSpec, Unavailable
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (names of dspark.sdk)
+DSPARK_API_VERSION = "1.5"  # control-flow bodies (dspark.graph.body_op_types)
 PLUGIN_NAME = "npu"
 
 

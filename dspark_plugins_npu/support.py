@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from dspark.graph import Op, Subgraph
+from dspark.graph import Op, Subgraph, body_op_types
 from dspark.types import DType
 
 from dspark_plugins_npu import session
@@ -104,6 +104,10 @@ def known_defect(subgraph: Subgraph) -> str | None:
         rule = _DEFECTS.get(op.op_type) if op.domain in ("", "ai.onnx") else None
         if rule is not None and (reason := rule(op, subgraph)) is not None:
             return f"op {op.name!r}: {reason}"
+        # A control-flow body's tensors have no specs out here, so the rules cannot look at them.
+        inner = sorted({t for d, t in body_op_types(op) if d == ""} & _DEFECTS.keys())
+        if inner:
+            return f"op {op.name!r}: its body holds {', '.join(inner)}, whose defects cannot be ruled out"
     return None
 
 

@@ -12,4 +12,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "${CONSTRAINTS[@]}" -e '.[dev]' 2>&1 \
   | grep -v "^WARNING: Location 'file:" || true
+# jax2onnx (the JAX importer; its other needs come with the dev extra's dspark[jax]) without its
+# dependencies: it requires the onnxruntime distribution, which would overwrite onnxruntime-gpu's files.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'jax2onnx>=0.17,<0.18' 2>&1 \
+  | grep -v "^WARNING: Location 'file:" || true
 .venv/bin/python -c "import dspark, torch, openvino, onnxruntime; print('dspark', dspark.__version__, '| torch', torch.__version__)"

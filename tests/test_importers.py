@@ -228,16 +228,22 @@ def _model(node: onnx.NodeProto, extra_opsets: list[onnx.OperatorSetIdProto] | N
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), *(extra_opsets or [])])
 
 
-def test_control_flow_is_rejected_naming_op_and_node(tmp_path: Path) -> None:
-    def branch(op: str) -> onnx.GraphProto:
-        return helper.make_graph([helper.make_node(op, ["x"], ["z"])], op, [],
+def test_control_flow_is_one_op_carrying_its_branches(tmp_path: Path) -> None:
+    # (It was refused before ONNX control flow was imported; tests/test_control_flow.py covers it whole.)
+    def branch(op: str, domain: str = "") -> onnx.GraphProto:
+        return helper.make_graph([helper.make_node(op, ["x"], ["z"], domain=domain)], op, [],
                                  [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
 
     node = helper.make_node("If", ["c"], ["y"], name="branchy", then_branch=branch("Relu"), else_branch=branch("Neg"))
     path = tmp_path / "if.onnx"
     onnx.save(_model(node), str(path))
-    with pytest.raises(UnsupportedModelError, match=r"'If' \(node 'branchy'\).*control flow"):
-        load_model(path)
+    graph = load_model(path)
+    (op,) = graph.ops
+    assert (op.name, op.op_type, op.node_inputs, op.captures) == ("branchy", "If", ["c"], ["x"])
+    custom = helper.make_node("If", ["c"], ["y"], name="branchy", then_branch=branch("Frob", "com.acme"),
+                              else_branch=branch("Neg"))
+    with pytest.raises(UnsupportedModelError, match=r"'Frob' \(node 'branchy/Frob_0'\).*'com.acme'"):
+        load_model(_model(custom, [helper.make_opsetid("com.acme", 1)]))
 
 
 def test_unknown_custom_domain_is_rejected_naming_op_and_node() -> None:

@@ -29,6 +29,7 @@ from dspark.types import (
 
 if TYPE_CHECKING:
     from dspark.graph import Graph, Op, Subgraph, TensorSpec
+    from dspark.graph.jax_import import import_jax
     from dspark.host.inventory import Inventory
     from dspark.llm import LLM, SamplingParams, optimize_model
     from dspark.llm.quantization import QuantizationConfig, QuantPlan
@@ -40,7 +41,7 @@ __all__ = [
     "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
     "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
     "QuantPlan", "QuantSpec", "QuantizationConfig", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
-    "__version__", "optimize_model",
+    "__version__", "import_jax", "optimize_model",
 ]
 
 _LAZY = {
@@ -48,6 +49,7 @@ _LAZY = {
     "Inventory": "dspark.host.inventory", "PluginHost": "dspark.host.plugin_manager",
     "LLM": "dspark.llm", "SamplingParams": "dspark.llm", "optimize_model": "dspark.llm",
     "QuantizationConfig": "dspark.llm.quantization", "QuantPlan": "dspark.llm.quantization",
+    "import_jax": "dspark.graph.jax_import",
 }
 
 

@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.4).
+"""The dspark plugin contract (API version 1.5).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.4"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.5"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -10,7 +10,9 @@ The public plugin API is this module, :mod:`dspark.types`, :mod:`dspark.graph`,
 :mod:`dspark.sdk`, :mod:`dspark.testing` and the top-level names of :mod:`dspark`;
 a plugin imports nothing else from dspark. API 1.4 added :mod:`dspark.sdk` as that
 declared surface (the 1.3 module names ``dspark.cost``, ``quant``, ``cache``,
-``calibration``, ``hostinfo`` and ``log`` still work).
+``calibration``, ``hostinfo`` and ``log`` still work). API 1.5 added control flow
+to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
+:mod:`dspark.graph`.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.4"
+API_VERSION = "1.5"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

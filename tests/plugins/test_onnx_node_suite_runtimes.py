@@ -73,6 +73,26 @@ def test_every_bid_on_onnx_node_cases_is_kept(plugin: str) -> None:
     assert tally["pass"] > len(sample) // 2, tally
 
 
+# Control flow each runtime runs whole (and what it abstains from: OpenVINO's Scan over outer values,
+# ONNX Runtime's opset 27).
+CONTROL_FLOW = {
+    "npu": ({"test_if", "test_loop11", "test_scan9_sum", "test_scan_sum", "test_affine_grid_2d_expanded"},
+            {"test_linear_attention_linear_expanded", "test_range_float_type_positive_delta_expanded"}),
+    "cpu": ({"test_if", "test_loop11", "test_scan9_sum", "test_scan_sum",
+             "test_range_float_type_positive_delta_expanded"},
+            {"test_linear_attention_explicit_scale_expanded", "test_affine_grid_2d_expanded"}),
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(CONTROL_FLOW))
+def test_control_flow_node_cases(plugin: str) -> None:
+    passes, abstains = CONTROL_FLOW[plugin]
+    results = run_node_suite(plugin, names=passes | abstains)
+    outcome = {r.case: r.outcome for r in results}
+    assert outcome == {**dict.fromkeys(passes, "pass"), **dict.fromkeys(abstains, "abstain")}, [
+        (r.case, r.outcome, r.detail[:200]) for r in results]
+
+
 def _scalar_model() -> onnx.ModelProto:
     # Pow of a [3] tensor by a 0-d exponent, and a 0-d output: a 0-d array must reach the runtime as 0-d.
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])

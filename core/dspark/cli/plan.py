@@ -61,7 +61,7 @@ def _spinner(message: str, quiet: bool = False) -> Iterator[None]:
 
 
 def load_graph(spec: str) -> Graph:
-    """``demo``, an ONNX path, or (with :mod:`dspark.graph.importers`) a ``module:factory`` torch spec."""
+    """``demo``, an ONNX path, or (with :mod:`dspark.graph.importers`) a ``module:factory`` torch or JAX spec."""
     from dspark.cli.demo import demo_graph
     from dspark.graph.model import Graph
 
@@ -133,7 +133,7 @@ def _print_plan(graph: Graph, plan: Plan, plan_s: float | None) -> None:
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[str, typer.Argument(help="ONNX file, 'module:factory' torch spec, or 'demo'.")],
+    model: Annotated[str, typer.Argument(help="ONNX file, 'module:factory' spec (torch, JAX or Flax), or 'demo'.")],
     as_json: JsonOpt = False,
     devices: Annotated[Path | None, typer.Option(
         "--devices", metavar="FILE", help="Plan for a device profile (YAML) instead of this machine.")] = None,
@@ -253,7 +253,7 @@ def _reuse_or_plan(graph: Graph, host: PluginHost, inv: Inventory, plan_file: Pa
 
 @app.command("run")
 def run_cmd(
-    model: Annotated[str, typer.Argument(help="ONNX file, 'module:factory' torch spec, or 'demo'.")],
+    model: Annotated[str, typer.Argument(help="ONNX file, 'module:factory' spec (torch, JAX or Flax), or 'demo'.")],
     plan_file: Annotated[Path | None, typer.Option(
         "--plan", metavar="PLAN.json", help="Use this saved plan if the model and devices still match it.")] = None,
     inputs: Annotated[Path | None, typer.Option(

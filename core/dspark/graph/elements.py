@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark.types import DType
 
@@ -45,13 +45,18 @@ class TensorSpec(BaseModel):
     name: str
     dtype: DType
     shape: tuple[Dim, ...]
+    rank_known: bool = Field(
+        default=True, description="False when ONNX shape inference could not tell even the rank (API 1.5): "
+                          "``shape`` is then () and says nothing, and the tensor's size is unknown.")
 
     @property
     def is_static(self) -> bool:
-        return all(isinstance(d, int) for d in self.shape)
+        return self.rank_known and all(isinstance(d, int) for d in self.shape)
 
     def numel(self, bindings: dict[str, int] | None = None) -> int | None:
         """Element count, resolving symbolic dims from ``bindings``; None if unresolved."""
+        if not self.rank_known:
+            return None
         n = 1
         for d in self.shape:
             if isinstance(d, str):
@@ -74,8 +79,24 @@ class Op(BaseModel):
     domain: str = Field("", description="ONNX domain; '' is the default ai.onnx domain.")
     inputs: list[str] = Field(description="Tensor names; '' for an omitted optional input.")
     outputs: list[str]
-    attrs: dict[str, Any] = Field(default_factory=dict)
+    attrs: dict[str, Any] = Field(
+        default_factory=dict, description="Attribute values; a control-flow op's bodies are onnx.GraphProto values.")
+    captures: list[str] = Field(
+        default_factory=list,
+        description="Outer-scope tensors the op's subgraph attributes read (control flow, API 1.5): also the "
+                    "last entries of ``inputs``, so dependencies are explicit, but not inputs of the ONNX node.")
     flops: float | None = Field(None, description="Arithmetic operations of one run, when known.")
     bytes_read: int | None = None
     bytes_written: int | None = None
     param_bytes: int = 0
+
+    @model_validator(mode="after")
+    def _captures_last(self) -> Op:
+        if self.captures and self.inputs[len(self.inputs) - len(self.captures):] != self.captures:
+            raise ValueError(f"op {self.name!r}: captures {self.captures} must be the last entries of its inputs")
+        return self
+
+    @property
+    def node_inputs(self) -> list[str]:
+        """The ONNX node's own inputs: ``inputs`` without the captured outer-scope tensors."""
+        return self.inputs[:len(self.inputs) - len(self.captures)] if self.captures else list(self.inputs)

@@ -1,7 +1,8 @@
-"""Load a model (ONNX file, torch ``nn.Module``, ``module:factory`` spec) into a :class:`Graph`.
+"""Load a model (ONNX file, torch ``nn.Module``, JAX function or Flax module, ``module:factory`` spec) as a Graph.
 
 Everything ends up as ONNX: torch modules go through ``torch.export`` and the
-dynamo ONNX exporter, so the graph the placer and the plugins see has ONNX
+dynamo ONNX exporter, JAX functions and Flax modules through ``jax2onnx``
+(:mod:`.jax_import`), so the graph the placer and the plugins see has ONNX
 operator semantics whatever the source. Symbolic dims the user declares stay
 symbolic (``str`` dims, under the user's names); the example inputs' sizes
 for them go into ``Graph.dim_hints`` so cost estimates have numbers.
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
+from dspark.graph.jax_import import graph_from_jax, is_jax_model
 from dspark.graph.model import Graph
 from dspark.graph.onnx_io import KNOWN_DOMAINS, UnsupportedModelError
 
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DEFAULT_OPSET", "ModelSpecError", "UnsupportedModelError", "export_onnx", "graph_from_torch",
+    "DEFAULT_OPSET", "ModelSpecError", "UnsupportedModelError", "export_onnx", "graph_from_jax", "graph_from_torch",
     "load_factory", "load_model",
 ]
 
@@ -45,7 +47,7 @@ __all__ = [
 # pass) and both OpenVINO 2026.x and ONNX Runtime 1.2x+ read it.
 DEFAULT_OPSET = 18
 
-ModelSpec = Any  # str | Path | torch.nn.Module | onnx.ModelProto (torch is imported lazily)
+ModelSpec = Any  # str | Path | torch.nn.Module | JAX function / Flax module | onnx.ModelProto (imported lazily)
 Factory = tuple["torch.nn.Module", tuple[Any, ...], Any]
 
 
@@ -64,13 +66,16 @@ def load_model(
 ) -> Graph:
     """Import ``spec`` into a :class:`Graph` with shapes, dtypes and cost annotations.
 
-    ``spec`` is an ONNX file path or ``ModelProto``, an ``nn.Module`` (with
-    ``example_inputs`` here or as its attribute), or ``"pkg.module:factory"`` /
-    ``"path/to/file.py:factory"``. ``dynamic`` marks symbolic dims of torch
-    inputs, ``{"x": {0: "batch"}}`` (or ``torch.export.Dim`` values, or a
-    tuple in argument order). ``dim_hints`` sets representative sizes of
-    symbolic dims for cost estimates; torch imports default them to the
-    example inputs' sizes (so plan for seq=2048 while exporting with seq=8).
+    ``spec`` is an ONNX file path or ``ModelProto``, an ``nn.Module``, a JAX
+    function or a Flax module (with ``example_inputs`` here or as its
+    attribute; a ``flax.linen`` module as a function closing over its
+    variables, or through :func:`.jax_import.import_jax` with ``variables=``),
+    or ``"pkg.module:factory"`` / ``"path/to/file.py:factory"``. ``dynamic``
+    marks symbolic dims of the inputs, ``{"x": {0: "batch"}}`` (or, for torch,
+    ``torch.export.Dim`` values; or a tuple in argument order). ``dim_hints``
+    sets representative sizes of symbolic dims for cost estimates; torch and
+    JAX imports default them to the example inputs' sizes (so plan for
+    seq=2048 while exporting with seq=8).
     """
     if isinstance(spec, onnx.ModelProto):
         return Graph.from_onnx(spec, name=name, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
@@ -85,11 +90,23 @@ def load_model(
             if path.suffix == ".py":
                 raise ModelSpecError(f"{text}: a Python model spec needs a factory, e.g. '{text}:make_model'")
             return Graph.from_onnx(path, name=name or path.stem, dim_hints=dict(dim_hints or {}), domains=KNOWN_DOMAINS)
-        module, inputs, dyn = load_factory(text)
+        result = _resolve_factory(text)
+        if _is_jax_source(result):
+            fn, inputs, dyn = _jax_factory(result, text)
+            return graph_from_jax(fn, inputs if example_inputs is None else example_inputs,
+                                  dynamic=dyn if dynamic is None else dynamic, name=name or attr, opset=opset,
+                                  dim_hints=dim_hints)
+        module, inputs, dyn = _torch_factory(result, text)
         return graph_from_torch(
             module, inputs if example_inputs is None else example_inputs,
             dynamic=dyn if dynamic is None else dynamic, name=name or attr, opset=opset, dim_hints=dim_hints,
         )
+    if _is_jax_source(spec) or (callable(spec) and not _is_torch_module(spec)):
+        given = example_inputs if example_inputs is not None else getattr(spec, "example_inputs", None)
+        if given is None:
+            raise ModelSpecError(f"{type(spec).__qualname__}: no example_inputs given and the model has none")
+        return graph_from_jax(spec, given, dynamic=dynamic if dynamic is not None else getattr(
+            spec, "dynamic_shapes", None), name=name, opset=opset, dim_hints=dim_hints)
     import torch
 
     if isinstance(spec, torch.nn.Module):
@@ -101,7 +118,7 @@ def load_model(
             name=name, opset=opset, dim_hints=dim_hints,
         )
     raise TypeError(f"cannot load a model from {type(spec).__name__}; expected a path, spec string, "
-                    "nn.Module or onnx.ModelProto")
+                    "nn.Module, JAX function, Flax module or onnx.ModelProto")
 
 
 def load_factory(spec: str) -> Factory:
@@ -110,9 +127,25 @@ def load_factory(spec: str) -> Factory:
     The factory returns an ``nn.Module`` carrying ``example_inputs`` (and
     optionally ``dynamic_shapes``), or a tuple ``(module, example_inputs[,
     dynamic_shapes])``; the attribute may also be a module instance itself.
+    (A factory giving a JAX model is loaded by :func:`load_model`.)
     """
-    import torch
+    return _torch_factory(_resolve_factory(spec), spec)
 
+
+def _is_torch_module(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch module exists only once torch is imported
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def _is_jax_source(result: Any) -> bool:
+    """A JAX model, or a factory's tuple ``(JAX function or Flax module, example_inputs[, dynamic])``."""
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        return is_jax_model(result[0]) or (callable(result[0]) and not _is_torch_module(result[0]))
+    return is_jax_model(result)
+
+
+def _resolve_factory(spec: str) -> Any:
+    """What ``"pkg.module:attr"`` names: a model instance as it is, else the result of calling the factory."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ModelSpecError(f"model spec {spec!r} is not of the form 'package.module:factory' or 'file.py:factory'")
@@ -121,7 +154,27 @@ def load_factory(spec: str) -> Factory:
         obj = getattr(pymod, attr)
     except AttributeError:
         raise ModelSpecError(f"{target!r} has no attribute {attr!r} (from model spec {spec!r})") from None
-    result = obj if isinstance(obj, torch.nn.Module) else obj() if callable(obj) else obj
+    instance = _is_torch_module(obj) or is_jax_model(obj)  # modules are callable: not factories
+    return obj if instance else obj() if callable(obj) else obj
+
+
+def _jax_factory(result: Any, spec: str) -> tuple[Any, tuple[Any, ...], Any]:
+    """(function or Flax module, example_inputs, dynamic) from a factory's JAX result.
+
+    A ``flax.linen`` module comes as a function closing over its variables:
+    ``(lambda x: model.apply(variables, x), example_inputs)``.
+    """
+    if isinstance(result, tuple):
+        return result[0], _as_tuple(result[1]), result[2] if len(result) == 3 else None
+    inputs = getattr(result, "example_inputs", None)
+    if inputs is None:
+        raise ModelSpecError(f"{spec}: returned {type(result).__qualname__} without an 'example_inputs' attribute")
+    return result, _as_tuple(inputs), getattr(result, "dynamic_shapes", None)
+
+
+def _torch_factory(result: Any, spec: str) -> Factory:
+    import torch
+
     if isinstance(result, torch.nn.Module):
         inputs = getattr(result, "example_inputs", None)
         if inputs is None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dspark.graph.control_flow import graphs_of
 from dspark.graph.elements import Dim, Op, TensorSpec, dtype_of, numpy_dtype
 from dspark.graph.flops import annotate_costs
 
@@ -26,6 +27,15 @@ __all__ = ["Dim", "Graph", "Op", "Subgraph", "TensorSpec", "dtype_of", "numpy_dt
 
 if TYPE_CHECKING:
     import onnx
+
+
+def _attr_key(value: Any) -> Any:
+    """An attribute as a cache key: a control-flow body (GraphProto) by the hash of its bytes, not its text."""
+    bodies = graphs_of(value)
+    if not bodies:
+        return value
+    digests = [hashlib.sha256(b.SerializeToString(deterministic=True)).hexdigest()[:16] for b in bodies]
+    return digests[0] if not isinstance(value, (list, tuple)) else digests
 
 
 class Graph(BaseModel):
@@ -201,13 +211,14 @@ class Subgraph(BaseModel):
             if not t:
                 return None
             spec = self.graph.tensors.get(t)
-            desc = [spec.dtype, list(spec.shape)] if spec else None
+            desc = [spec.dtype, list(spec.shape) if spec.rank_known else None] if spec else None
             if t not in rename:
                 rename[t] = f"t{len(rename)}"
             return [rename[t], desc, t in self.graph.initializers]
 
         body = [
-            [op.domain, op.op_type, sorted(op.attrs.items()), [key(t) for t in op.inputs], [key(t) for t in op.outputs]]
+            [op.domain, op.op_type, sorted((k, _attr_key(v)) for k, v in op.attrs.items()),
+             [key(t) for t in op.inputs], [key(t) for t in op.outputs]] + ([len(op.captures)] if op.captures else [])
             for op in self.ops
         ]
         extra = [self.quantized_by, repr(self.quant_spec)] if self.quantized_by else []

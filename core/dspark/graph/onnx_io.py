@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, inliner, numpy_helper, shape_inference
 
+from dspark.graph.control_flow import free_names, node_captures
 from dspark.graph.elements import Op, TensorSpec, dtype_of
 from dspark.types import DType
 
@@ -48,10 +49,18 @@ def _spec_from_value_info(vi: onnx.ValueInfoProto) -> TensorSpec | None:
             dims.append(int(d.dim_value))
         else:
             dims.append(d.dim_param or f"{vi.name}_dim{i}")
-    return TensorSpec(name=vi.name, dtype=_ONNX_TO_DTYPE[tt.elem_type], shape=tuple(dims))
+    # No shape field at all: inference could not tell the rank (a Loop whose body leaves it open).
+    return TensorSpec(name=vi.name, dtype=_ONNX_TO_DTYPE[tt.elem_type], shape=tuple(dims),
+                      rank_known=tt.HasField("shape"))
 
 
 def _attr_value(attr: onnx.AttributeProto) -> Any:
+    if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+        bodies = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        copies = [onnx.GraphProto() for _ in bodies]  # the op owns its bodies, not the caller's model
+        for copy, body in zip(copies, bodies, strict=True):
+            copy.CopyFrom(body)
+        return copies[0] if attr.type == onnx.AttributeProto.GRAPH else copies
     value = helper.get_attribute_value(attr)
     if isinstance(value, onnx.TensorProto):
         return numpy_helper.to_array(value)
@@ -66,21 +75,18 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 # ONNX Runtime's contrib ops (which the ONNX Runtime plugin runs). Anything
 # else is a vendor's custom op no built-in runtime implements.
 KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
-_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 def _check_node(node: onnx.NodeProto, node_name: str, source: str, domains: Collection[str] | None) -> None:
-    subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-    if subgraph or (node.domain in ("", "ai.onnx") and node.op_type in _CONTROL_FLOW):
-        raise UnsupportedModelError(
-            f"{source}: op {node.op_type!r} (node {node_name!r}) is control flow with a subgraph; "
-            "dspark analyses straight-line graphs only (export with static control flow)"
-        )
     if domains is not None and node.domain not in domains:
         raise UnsupportedModelError(
             f"{source}: op {node.op_type!r} (node {node_name!r}) is from unknown custom domain "
             f"{node.domain!r}; supported domains: {sorted(domains)}"
         )
+    for attr in node.attribute:  # control flow: the nodes of its bodies are checked alike
+        for body in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            for i, inner in enumerate(body.node):
+                _check_node(inner, f"{node_name}/{inner.name or f'{inner.op_type}_{i}'}", source, domains)
 
 
 _DIM_EXPR = re.compile(r"^[A-Za-z0-9_ +\-*/%(),]+$")
@@ -151,9 +157,11 @@ def read_onnx(
 
     ``dim_hints`` gives representative sizes of symbolic dims; costs are
     annotated with them (and with dims derived from them, e.g. ``2*batch``).
-    Control flow (ops with subgraphs) is always rejected; ops of a domain
-    outside ``domains`` are too when it is given (model loading passes
-    :data:`KNOWN_DOMAINS`; tests build custom-op graphs without it).
+    A control-flow node (``If``, ``Loop``, ``Scan``: any node with subgraph
+    attributes) becomes one op carrying its bodies, the outer-scope tensors
+    they read appended to its inputs (:mod:`.control_flow`). Ops of a domain
+    outside ``domains``, at any depth, are rejected when it is given (model
+    loading passes :data:`KNOWN_DOMAINS`; tests build custom-op graphs without it).
     """
     source = "<bytes>"
     if isinstance(model, (str, Path)):
@@ -187,6 +195,7 @@ def read_onnx(
             tensors[tname] = TensorSpec(name=tname, dtype=_np_name(arr), shape=tuple(arr.shape))
         except ValueError as exc:
             raise UnsupportedModelError(f"{source}: initializer {tname!r}: {exc}") from None
+    _loop_carried_shapes(g, tensors)
     ops = []
     used: set[str] = set()
     for i, node in enumerate(g.node):
@@ -195,11 +204,37 @@ def read_onnx(
             node_name = f"{node_name}_{i}"
         used.add(node_name)
         attrs = {a.name: _attr_value(a) for a in node.attribute}
-        ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain,
-                      inputs=list(node.input), outputs=list(node.output), attrs=attrs))
+        captures = node_captures(node)
+        ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain, inputs=[*node.input, *captures],
+                      outputs=list(node.output), attrs=attrs, captures=captures))
     inputs = [i.name for i in g.input if i.name not in inits]
     return {"name": name or g.name or Path(source).stem, "opset": opset, "ops": ops, "tensors": tensors,
             "inputs": inputs, "outputs": [o.name for o in g.output], "initializers": inits, "dim_hints": hints}
+
+
+def _loop_carried_shapes(g: onnx.GraphProto, tensors: dict[str, TensorSpec]) -> None:
+    """Shapes of Loop-carried outputs that ONNX's inference leaves without even a rank.
+
+    When the body declares the same shape for a carried value coming in and
+    going out, and the initial value has it too, every trip (and no trip)
+    ends with that shape.
+    """
+    for node in g.node:
+        if node.op_type != "Loop" or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None:
+            continue
+        for k, out in enumerate(node.output[:max(len(node.input) - 2, 0)]):
+            if not out or (out in tensors and tensors[out].rank_known):
+                continue
+            if len(body.input) <= 2 + k or len(body.output) <= 1 + k:
+                continue
+            came, went = _spec_from_value_info(body.input[2 + k]), _spec_from_value_info(body.output[1 + k])
+            start = tensors.get(node.input[2 + k])
+            specs = [s for s in (came, went, start) if s is not None and s.rank_known]
+            if len(specs) == 3 and len({(s.dtype, s.shape) for s in specs}) == 1:
+                tensors[out] = TensorSpec(name=out, dtype=specs[0].dtype, shape=specs[0].shape)
 
 
 def _inferred_value_infos(
@@ -261,7 +296,7 @@ def _np_name(arr: np.ndarray) -> DType:
 
 def _value_info(spec: TensorSpec, dynamic: bool) -> onnx.ValueInfoProto:
     shape = [d if isinstance(d, int) and not dynamic else (d if isinstance(d, str) else None) for d in spec.shape]
-    return helper.make_tensor_value_info(spec.name, _DTYPE_TO_ONNX[spec.dtype], shape)
+    return helper.make_tensor_value_info(spec.name, _DTYPE_TO_ONNX[spec.dtype], shape if spec.rank_known else None)
 
 
 def subgraph_to_onnx(sg: Subgraph, *, dynamic: bool = False) -> onnx.ModelProto:
@@ -270,7 +305,9 @@ def subgraph_to_onnx(sg: Subgraph, *, dynamic: bool = False) -> onnx.ModelProto:
     for op in sg.ops:
         attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
                  for k, v in op.attrs.items()}
-        nodes.append(helper.make_node(op.op_type, op.inputs, op.outputs, name=op.name, domain=op.domain, **attrs))
+        # Captured tensors are graph inputs (or weights) the bodies read by name, not node inputs.
+        nodes.append(helper.make_node(op.op_type, op.node_inputs, op.outputs, name=op.name, domain=op.domain,
+                                      **attrs))
     missing = [t for t in sg.inputs + sg.outputs if t not in g.tensors]
     if missing:
         raise UnsupportedModelError(f"subgraph of {g.name!r}: no shape/dtype known for tensors {missing}")
@@ -284,3 +321,35 @@ def subgraph_to_onnx(sg: Subgraph, *, dynamic: bool = False) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="dspark")
     model.ir_version = min(model.ir_version, 9)  # readable by every runtime we drive
     return model
+
+
+def read_body(body: onnx.GraphProto, outer: dict[str, TensorSpec], opset: int,
+              dim_hints: dict[str, int], input_specs: list[TensorSpec | None] | None = None,
+              constants: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """A control-flow body's graph fields (as :func:`read_onnx` gives them), for costing it.
+
+    The body becomes a standalone model: its formal inputs (typed from
+    ``input_specs``, the outer values they take, where the body leaves a type
+    out) plus the outer-scope tensors it reads (typed from ``outer``; those in
+    ``constants`` become weights, so a nested Loop's trip count stays known).
+    """
+    constants = constants or {}
+    formal = []
+    for i, vi in enumerate(body.input):
+        given = input_specs[i] if input_specs and i < len(input_specs) else None
+        tt = vi.type.tensor_type
+        if given is not None and given.dtype in _DTYPE_TO_ONNX and (not tt.elem_type or not tt.HasField("shape")):
+            formal.append(_value_info(given.model_copy(update={"name": vi.name}), dynamic=False))
+        else:
+            formal.append(vi)
+    free = free_names(body)
+    captured = [_value_info(outer[t], dynamic=False) for t in free if t in outer and t not in constants]
+    weights = list(body.initializer) + [numpy_helper.from_array(constants[t], t) for t in free if t in constants]
+    domains = sorted({n.domain for n in body.node} - {"", "ai.onnx"})
+    model = helper.make_model(
+        helper.make_graph(list(body.node), body.name or "body", formal + captured, list(body.output),
+                          initializer=weights),
+        opset_imports=[helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains],
+    )
+    model.ir_version = min(model.ir_version, 9)
+    return read_onnx(model, name=body.name or "body", dim_hints=dim_hints)

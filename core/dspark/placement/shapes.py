@@ -108,7 +108,7 @@ def bind_dims(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
     expressions: list[tuple[str, int, str, int]] = []
     for name in graph.inputs:
         spec = graph.tensors.get(name)
-        if name not in inputs or spec is None:
+        if name not in inputs or spec is None or not spec.rank_known:
             continue
         given = _shape_of(inputs[name])
         if len(given) != len(spec.shape):

@@ -76,6 +76,8 @@ def make_inputs(subgraph: Subgraph, seed: int = 0) -> dict[str, np.ndarray]:
         spec = subgraph.graph.tensors.get(name)
         if spec is None:
             raise CannotCalibrate(f"no TensorSpec for input {name!r}")
+        if not spec.rank_known:
+            raise CannotCalibrate(f"the rank of input {name!r} is unknown")
         shape = concrete_shape(spec, hints)
         total += int(np.prod(shape, dtype=np.int64)) * 8
         if total > config.MAX_INPUT_BYTES:

@@ -56,7 +56,7 @@ class _Watch:
     def of(cls, subgraph: Subgraph, device: Device) -> _Watch:
         hints = subgraph.graph.dim_hints
         expected = tuple((t, concrete_shape(spec, hints)) for t in subgraph.inputs
-                         if (spec := subgraph.graph.tensors.get(t)) is not None)
+                         if (spec := subgraph.graph.tensors.get(t)) is not None and spec.rank_known)
         return cls(subgraph.graph, [op.name for op in subgraph.ops], device,
                    store.identity(subgraph, device), expected)
 

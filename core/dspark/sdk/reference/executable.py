@@ -180,11 +180,12 @@ def _reference_kernel(subgraph: Subgraph, op: Op) -> Any:
 
     graph = subgraph.graph
     attrs = {k: numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v for k, v in op.attrs.items()}
-    node = helper.make_node(op.op_type, op.inputs, op.outputs, name=op.name, domain=op.domain, **attrs)
+    # A control-flow node's bodies read its captured tensors by name: graph inputs here, not node inputs.
+    node = helper.make_node(op.op_type, op.node_inputs, op.outputs, name=op.name, domain=op.domain, **attrs)
 
     def info(name: str) -> Any:
         spec = graph.tensors[name]
-        dims = [d if isinstance(d, int) else None for d in spec.shape]
+        dims = [d if isinstance(d, int) else None for d in spec.shape] if spec.rank_known else None
         elem = getattr(TensorProto, {"float32": "FLOAT", "float64": "DOUBLE"}.get(spec.dtype, spec.dtype.upper()))
         return helper.make_tensor_value_info(name, elem, dims)
 

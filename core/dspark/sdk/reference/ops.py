@@ -34,7 +34,8 @@ def kernel(*names: str) -> Callable[[Kernel], Kernel]:
 
 
 def _ints(t: Any) -> list[int]:
-    return [int(v) for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+    # reshape: a 0-d axes tensor (onnx.reference accepts one) lists as one int, not an int
+    return [int(v) for v in (t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else t)]
 
 
 def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Kernel:

@@ -3,14 +3,17 @@
 Each op runs with a torch kernel (:mod:`dspark.sdk.reference.ops`) when the
 kernel implements the node exactly at the model's opset, with its attributes,
 dtypes and outputs; otherwise with ``onnx.reference`` on the host (which
-follows the opset itself); otherwise the reference abstains. The rules come
+follows the opset itself; control flow, ``If``/``Loop``/``Scan`` with their
+bodies, always runs there); otherwise the reference abstains. The rules come
 from ONNX's backend node tests (docs/onnx-node-conformance.md).
 """
 
 from __future__ import annotations
 
-from dspark.sdk.reference.names import TORCH_KERNEL_OPS
+from dspark.graph import body_op_types
+from dspark.graph.control_flow import iter_body_nodes
 from dspark.graph.model import Graph, Op, Subgraph, dtype_of
+from dspark.sdk.reference.names import TORCH_KERNEL_OPS
 
 # Tensor dtypes torch holds natively (bfloat16 crosses to numpy through ml_dtypes).
 TORCH_DTYPES: frozenset[str] = frozenset({
@@ -19,7 +22,7 @@ TORCH_DTYPES: frozenset[str] = frozenset({
 # Default-domain ops onnx.reference has no (working) implementation for.
 NO_REFERENCE_OPS: frozenset[str] = frozenset({"Scatter", "ImageDecoder"})
 # Ops onnx.reference implements only in their newer form: older opsets are abstained on.
-_REFERENCE_FROM_OPSET: dict[str, int] = {"Resize": 11, "Hardmax": 13}
+_REFERENCE_FROM_OPSET: dict[str, int] = {"Resize": 11, "Hardmax": 13, "Scan": 9}
 _POOLS = frozenset({"MaxPool", "AveragePool"})
 
 
@@ -90,14 +93,43 @@ def kernel_problem(op: Op, graph: Graph) -> str | None:
 
 
 def reference_problem(op: Op, graph: Graph) -> str | None:
-    """Why ``onnx.reference`` cannot stand in for ``op`` on the host, or None."""
-    if op.domain not in ("", "ai.onnx"):
-        return f"op {op.op_type} of domain {op.domain!r}: the graph keeps no opset for it"
-    if op.op_type in NO_REFERENCE_OPS:
-        return f"onnx.reference has no working {op.op_type}"
-    since = _REFERENCE_FROM_OPSET.get(op.op_type)
-    if since is not None and graph.opset < since:
-        return f"onnx.reference runs {op.op_type} as opset {since} defines it, not as opset {graph.opset} did"
+    """Why ``onnx.reference`` cannot stand in for ``op`` on the host, or None.
+
+    A control-flow op runs whole through it, bodies included, so every node
+    of its bodies is held to the same rules.
+    """
+    if (why := _loop_problem(op, graph)) is not None:
+        return why
+    for domain, op_type in [(op.domain, op.op_type), *sorted(body_op_types(op))]:
+        if domain not in ("", "ai.onnx"):
+            return f"op {op_type} of domain {domain!r}: the graph keeps no opset for it"
+        if op_type in NO_REFERENCE_OPS:
+            return f"onnx.reference has no working {op_type}"
+        since = _REFERENCE_FROM_OPSET.get(op_type)
+        if since is not None and graph.opset < since:
+            return f"onnx.reference runs {op_type} as opset {since} defines it, not as opset {graph.opset} did"
+    return None
+
+
+def _loop_problem(op: Op, graph: Graph) -> str | None:
+    """Loops onnx.reference gets wrong: it stacks scan outputs with ``np.vstack``, right only when
+    each iteration's value is 1-D (a scalar comes out (N, 1), a matrix (N*a, b)), and it runs a
+    Loop whose condition input is omitted zero times (ONNX: a for loop of M trips)."""
+    stacks = "onnx.reference stacks Loop scan outputs other than 1-D per iteration wrongly"
+    no_cond = "onnx.reference runs a Loop without a condition input zero times"
+    if op.op_type == "Loop":
+        if len(op.node_inputs) < 2 or not op.node_inputs[1]:
+            return no_cond
+        carried = max(len(op.node_inputs) - 2, 0)
+        for t in op.outputs[carried:]:
+            shape = _shape(graph, t)
+            if t and (shape is None or len(shape) != 2):
+                return stacks
+    for node in iter_body_nodes(op):  # a nested Loop's ranks are not known here: any scan output is refused
+        if node.op_type == "Loop" and (len(node.input) < 2 or not node.input[1]):
+            return no_cond
+        if node.op_type == "Loop" and len(node.output) > max(len(node.input) - 2, 0):
+            return stacks
     return None
 
 
