@@ -14,7 +14,7 @@ import typer
 
 
 def convert(
-    model_path: Annotated[Path, typer.Option("--model-path", help="Source checkpoint directory (Hugging Face format).")],
+    model_path: Annotated[Path, typer.Option("--model-path", help="Source checkpoint directory (Hugging Face format) or .gguf file.")],
     output_path: Annotated[Path, typer.Option("--output-path", help="Directory to write (must not exist).")],
     quantization: Annotated[str, typer.Option(
         "--quantization", help="none | int8 | int4 | int8_mixed | int4_mixed | auto_mixed_precision | "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark.llm.config import EngineConfig
+from dspark.llm.gguf import load_runner
 from dspark.llm.logits import (
     LogprobsPrefix,
     TokenLogprobs,
@@ -20,7 +21,8 @@ from dspark.llm.logits import (
     process_batch,
     token_logprobs,
 )
-from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.runner.loader import load_config
+from dspark.llm.runner.model import SeqChunk
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
@@ -102,11 +104,9 @@ class LLMEngine:
         self._plugin_host = plugin_host
         self._inventory: Inventory | None = None
         cfg = config or EngineConfig(**config_kw)
-        if cfg.max_model_len is not None and (self.model_path / "config.json").exists():
-            from dspark.llm.runner.loader import load_config
-
-            _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)  # before loading
-        self.runner = ModelRunner.from_pretrained(str(model), dtype)
+        if cfg.max_model_len is not None and (self.model_path / "config.json").exists():  # before loading
+            _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)
+        self.runner, self.gguf = load_runner(self.model_path, dtype)  # gguf: a .gguf file's types and plan
         mcfg = self.runner.cfg
         if cfg.max_model_len is not None:
             _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
@@ -141,7 +141,7 @@ class LLMEngine:
         self.packed_linear = pack_runner(self.runner, cfg.packed_linear)  # after quantization: float ones only
         self.cache = self.runner.make_cache(num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.config, self.cache)
-        self.tokenizer = _load_tokenizer(Path(model))
+        self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
         self.eos_ids = set(mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -177,7 +177,15 @@ class LLMEngine:
         from dspark.llm.quantization.convert import PLAN_FILE, is_optimized
 
         qc = cfg.quantization
-        if is_optimized(self.model_path):
+        speed = None if qc is None else qc.speed_first
+        if self.gguf is not None:  # a GGUF file runs as its types say: Q8_0 on the int8 kernels (dspark.llm.gguf)
+            if qc is not None and qc.enabled:
+                raise ValueError(f"quantization: {self.model_path} is a GGUF file, run as its types say; "
+                                 "`dspark convert --quantization ...` it to plan another precision")
+            plan, speed = self.gguf.plan, False  # int8 even where float bids faster: the file's size is the point
+            if plan is None or not self.gguf.int8_layers or cfg.dense_offload != "off":  # offloaded MLP: float
+                return
+        elif is_optimized(self.model_path):
             if qc is not None and qc.enabled:
                 raise ValueError(f"quantization: {self.model_path} is already an optimized directory (its plan is "
                                  f"{PLAN_FILE}); quantize the original checkpoint instead")
@@ -195,8 +203,7 @@ class LLMEngine:
         from dspark.llm.quantization.apply import apply_plan
 
         self.quant_plan = plan
-        self.quant_kernels = apply_plan(self.runner, plan, speed_first=None if qc is None else qc.speed_first,
-                                        host=self.plugin_host, inv=self.inventory)
+        self.quant_kernels = apply_plan(self.runner, plan, speed_first=speed, host=self.plugin_host, inv=self.inventory)
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -486,9 +493,7 @@ def _check_max_len(max_model_len: int, max_pos: int) -> None:
 
 
 def _load_tokenizer(root: Path) -> Any:
-    f = root / "tokenizer.json"
-    if not f.exists():
-        return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(f))
+    f = root / "tokenizer.json"
+    return Tokenizer.from_file(str(f)) if f.exists() else None

@@ -19,7 +19,8 @@ def serve(
                                                 dir_okay=False)] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="API port; 0 = any free port (default 8000).")] = None,
-    model: Annotated[str | None, typer.Option(help="Checkpoint directory; 'default' = the embedded model.")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="Checkpoint directory or .gguf file; 'default' = the embedded model.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default directory name).")] = None,
     max_batch_size: Annotated[int | None, typer.Option(help="Sequences per step at most.")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Prompt + output tokens per sequence.")] = None,
@@ -50,8 +51,9 @@ def serve(
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    if not cfg.model_path().is_dir():
-        typer.echo(f"error: model.path: no checkpoint directory at {cfg.model_path()}", err=True)
+    path = cfg.model_path()
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        typer.echo(f"error: model.path: no checkpoint directory or .gguf file at {path}", err=True)
         raise typer.Exit(2)
     from dspark.server.launch import serve as run
 

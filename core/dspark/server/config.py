@@ -26,7 +26,8 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    path: str | None = Field(None, description="checkpoint directory; null or 'default' = the embedded model")
+    path: str | None = Field(None, description="checkpoint directory or .gguf file; null or 'default' = the "
+                             "embedded model")
     name: str | None = Field(None, description="served model id; default: the checkpoint directory's name")
     dtype: Dtype = "auto"
     quantization: QuantizationConfig | None = Field(

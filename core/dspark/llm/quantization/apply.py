@@ -70,6 +70,8 @@ class QuantizedLinear:
 
 def spec_for(lp: LayerPlan) -> QuantSpec:
     if lp.precision == "int8":
+        if lp.group_size:  # a GGUF file's Q8_0 blocks (dspark.llm.gguf): one scale per 32 inputs
+            return QuantSpec(weight_bits=8, granularity="group", group_size=lp.group_size, activations=lp.activations)
         return QuantSpec(weight_bits=8, granularity="per_channel", activations=lp.activations)
     return QuantSpec(weight_bits=4, granularity="group", group_size=lp.group_size or 128, activations="float")
 

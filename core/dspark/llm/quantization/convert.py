@@ -146,23 +146,28 @@ def _quantized_tensors(runner: ModelRunner, plan: QuantPlan) -> dict[str, torch.
 def convert(model_path: str | Path, output_path: str | Path, *,
             quantization: str | dict[str, Any] | QuantizationConfig = "int8_mixed",
             draft_spec: str = "auto", calibration_data_path: str | Path | None = None, devices: str = "auto",
-            overwrite: bool = False, progress: Progress | None = None) -> QuantPlan:
-    """Write an optimized directory; on any error nothing is left at ``output_path``."""
+            overwrite: bool = False, progress: Progress | None = None, plan: QuantPlan | None = None) -> QuantPlan:
+    """Write an optimized directory; on any error nothing is left at ``output_path``. ``model_path`` may be a
+    GGUF file (_convert_gguf); ``plan``: a ready plan to write instead of calibrating one."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from dspark.llm.gguf import is_gguf
     from dspark.llm.quantization.data import load_jsonl
     from dspark.llm.quantization.sensitivity import build_plan
 
     src, out = Path(model_path), Path(output_path)
-    load_config(src)  # a clear CheckpointError for a missing directory or config.json, before any work
-    if is_optimized(src):
-        raise ConvertError(f"--model-path {src}: already an optimized directory; convert the original checkpoint")
     if isinstance(quantization, QuantizationConfig):
         qcfg = quantization
     else:
         qcfg = QuantizationConfig.model_validate(quantization if isinstance(quantization, dict) else
                                                  {"method": quantization})
+    if is_gguf(src):
+        return _convert_gguf(src, out, qcfg, draft_spec=draft_spec, calibration_data_path=calibration_data_path,
+                             devices=devices, overwrite=overwrite, progress=progress)
+    load_config(src)  # a clear CheckpointError for a missing directory or config.json, before any work
+    if is_optimized(src):
+        raise ConvertError(f"--model-path {src}: already an optimized directory; convert the original checkpoint")
     if calibration_data_path is not None:
         qcfg = qcfg.model_copy(update={"calibration_data_path": Path(calibration_data_path)})
     if qcfg.calibration_data_path is not None:
@@ -179,7 +184,9 @@ def convert(model_path: str | Path, output_path: str | Path, *,
         # Calibrate in float32 whatever the checkpoint's dtype: the plan must not depend on the host.
         cfg, weights = load_checkpoint(src, "float32")
         runner = ModelRunner(cfg, weights, torch.float32)
-        if qcfg.enabled:
+        if plan is not None:
+            pass  # a GGUF file's own types
+        elif qcfg.enabled:
             plan = build_plan(runner, src, qcfg, progress=progress)
         else:
             from dspark.llm.runner.quant_plan import LayerPlan
@@ -217,6 +224,26 @@ def convert(model_path: str | Path, output_path: str | Path, *,
         raise
     log.info("convert.done", source=str(src), output=str(out), scheme=plan.scheme, counts=plan.counts())
     return plan
+
+
+def _convert_gguf(src: Path, out: Path, qcfg: QuantizationConfig, **kw: Any) -> QuantPlan:
+    """A GGUF file, written as a checkpoint first (float tensors as stored, quantized ones dequantized).
+    ``--quantization none`` keeps the file's own types (its Q8_0 projections as int8 with 32-value groups, exact;
+    dspark.llm.gguf.plan); any other scheme is calibrated on the dequantized weights, as for any checkpoint."""
+    from dspark.llm.gguf import write_checkpoint
+
+    _check_output(out, bool(kw.get("overwrite")))
+    work = out.parent / f".{out.name}.gguf-{os.getpid()}"
+    if work.exists():
+        shutil.rmtree(work)
+    try:
+        g = write_checkpoint(src, work / src.stem)
+        if qcfg.enabled:
+            log.info("convert.gguf_requantized", source=str(src), scheme=qcfg.scheme,
+                     reason="the file's types were dequantized; the requested scheme is calibrated on those weights")
+        return convert(work / src.stem, out, quantization=qcfg, plan=None if qcfg.enabled else g.plan, **kw)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _meta(src: Path, qcfg: QuantizationConfig, plan: QuantPlan, tmp: Path) -> dict[str, Any]:

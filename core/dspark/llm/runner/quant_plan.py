@@ -26,7 +26,8 @@ class LayerPlan(BaseModel):
     kind: Literal["linear", "embedding"]
     shape: tuple[int, int]  # linear: [in, out]; embedding: [vocab, hidden]
     precision: Precision
-    group_size: int | None = None  # int4: group along the input dimension; None = per output channel
+    # Group along the input dimension (int4; int8 from a GGUF's Q8_0 blocks); None = per output channel.
+    group_size: int | None = None
     activations: Literal["float", "dynamic_int8"] = "float"
     sensitivity: dict[str, float] = Field(
         default_factory=dict, description="relative calibration-perplexity increase with this layer alone at "
@@ -45,9 +46,9 @@ class LayerPlan(BaseModel):
             return k * n * float_bytes
         if self.kind == "embedding":
             return k * n + k * 4
-        if self.precision == "int8":
-            return k * n + n * 4
         g = self.group_size or k
+        if self.precision == "int8":
+            return k * n + -(-k // g) * n * 4
         return -(-k // 2) * n + -(-k // g) * n * 4
 
 
@@ -100,7 +101,7 @@ class QuantPlan(BaseModel):
         for lp in self.layers:
             s8 = lp.sensitivity.get("int8")
             s4 = lp.sensitivity.get("int4")
-            prec = lp.precision + (f"/g{lp.group_size}" if lp.precision == "int4" and lp.group_size else "")
+            prec = lp.precision + (f"/g{lp.group_size}" if lp.precision != "float" and lp.group_size else "")
             if lp.precision == "int8" and lp.activations == "dynamic_int8":
                 prec += "+a8"
             rows.append(

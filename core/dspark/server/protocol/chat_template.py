@@ -40,8 +40,13 @@ class ChatTemplate:
 
     @classmethod
     def from_checkpoint(cls, root: Path) -> ChatTemplate:
+        """From the directory's tokenizer_config.json, or a GGUF file's metadata (tokenizer.chat_template)."""
         cfg_path = root / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if root.is_file() and root.suffix.lower() == ".gguf":
+            from dspark.llm.gguf import read_tokenizer_config
+
+            cfg = read_tokenizer_config(root)
         special = {k: v if isinstance(v, str) else v.get("content", "") for k, v in cfg.items()
                    if k.endswith("_token") and isinstance(v, str | dict)}
         template = cfg.get("chat_template")

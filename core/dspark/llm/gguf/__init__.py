@@ -1,0 +1,130 @@
+"""GGUF files: ``dspark.LLM("model.gguf")``, ``dspark serve --model model.gguf``, ``dspark convert``.
+
+The file is read through the ``gguf`` package: the architecture and config from
+its metadata (metadata.py), the tokenizer from its vocabulary and merges
+(tokenizer.py), float tensors as stored and quantized ones dequantized
+(tensors.py); Q8_0 projections then run on the plugins' int8 kernels, which
+hold its blocks exactly, and every other quantized type is dequantized with
+the reason logged (plan.py). docs/model-sources.md has the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dspark.llm.gguf.metadata import SUPPORTED_ARCHITECTURES, GGUFError, is_gguf
+from dspark.llm.gguf.plan import TypeDecision
+
+if TYPE_CHECKING:
+    from dspark.llm.runner.loader import ModelConfig
+    from dspark.llm.runner.model import ModelRunner
+    from dspark.llm.runner.quant_plan import QuantPlan
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "is_gguf", "load_gguf",
+           "load_runner", "read_tokenizer_config", "write_checkpoint"]
+SOURCE_FILE = "dspark_gguf_source.json"  # what write_checkpoint records about the file it came from
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file as the engine uses it."""
+
+    path: Path
+    raw_config: dict[str, Any]  # as a config.json would say it
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]  # emptied once a runner holds them (load_runner)
+    stored: dict[str, Any]  # Hugging Face tensor name -> tensors.StoredTensor
+    tokenizer: Any  # tokenizers.Tokenizer, or None for a tokenizer model not built here
+    tokenizer_config: dict[str, Any]
+    plan: QuantPlan | None = None  # set by attach(): the file's types over the runner's projections
+    decisions: dict[str, TypeDecision] = field(default_factory=dict)  # per storage type, what dspark does
+
+    @property
+    def int8_layers(self) -> list[str]:
+        return [] if self.plan is None else [lp.name for lp in self.plan.layers if lp.precision == "int8"]
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Decide each projection's kernel from the file's types (logged per type)."""
+        from dspark.llm.gguf.plan import plan_for
+
+        self.plan, self.decisions = plan_for(runner, self.stored, self.path.name)
+
+
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto") -> GGUFModel:
+    """Read a GGUF file: config, tokenizer and every tensor (float, cast to ``dtype``; "stored" = the file's
+    float type, float32 when anything is quantized)."""
+    from dspark.llm.gguf.metadata import open_reader, read_metadata, to_config
+    from dspark.llm.gguf.tensors import ROPE_FREQS, load_tensors, read_tensor, shapes
+    from dspark.llm.gguf.tokenizer import build_tokenizer, tokenizer_config
+    from dspark.llm.runner.loader import check_shapes, parse_config, resolve_dtype
+
+    p = Path(path)
+    reader = open_reader(p)
+    md = read_metadata(reader)
+    rope_freqs = next((read_tensor(t, p) for t in reader.tensors if t.name == ROPE_FREQS), None)
+    raw = to_config(md, shapes(reader), p, rope_freqs)
+    cfg = parse_config(raw, str(p))
+    tdtype = resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
+    weights, stored = load_tensors(reader, raw, p, tdtype)
+    check_shapes(cfg, weights, p)
+    return GGUFModel(path=p, raw_config=raw, cfg=cfg, weights=weights, stored=stored,
+                     tokenizer=build_tokenizer(md, p), tokenizer_config=tokenizer_config(md))
+
+
+def load_runner(path: str | Path, dtype: str | torch.dtype = "auto") -> tuple[ModelRunner, GGUFModel | None]:
+    """The runner for a checkpoint directory or a GGUF file (with what the file holds, for the engine)."""
+    from dspark.llm.runner.loader import resolve_dtype
+    from dspark.llm.runner.model import ModelRunner
+
+    if not is_gguf(path):
+        return ModelRunner.from_pretrained(str(path), dtype), None
+    g = load_gguf(path, dtype)
+    runner = ModelRunner(g.cfg, g.weights, resolve_dtype(dtype, g.cfg))
+    g.weights = {}  # the runner holds its own (stacked) copies
+    g.attach(runner)
+    return runner, g
+
+
+def read_tokenizer_config(path: str | Path) -> dict[str, Any]:
+    """The file's chat template and special tokens, as a tokenizer_config.json would hold them (metadata only)."""
+    from dspark.llm.gguf.metadata import open_reader, read_metadata
+    from dspark.llm.gguf.tokenizer import tokenizer_config
+
+    return tokenizer_config(read_metadata(open_reader(Path(path))))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checkpoint(path: str | Path, out: Path) -> GGUFModel:
+    """Write the file as a Hugging Face checkpoint directory (config.json, tokenizer files, float safetensors
+    as loaded: F32/F16 as stored, quantized types dequantized to float32), for `dspark convert`."""
+    from safetensors.torch import save_file
+
+    from dspark.llm.runner.model import ModelRunner
+
+    g = load_gguf(path, "stored")
+    g.attach(ModelRunner(g.cfg, dict(g.weights), next(iter(g.weights.values())).dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(g.raw_config, indent=2, sort_keys=True) + "\n")
+    if g.tokenizer is not None:
+        g.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(g.tokenizer_config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in sorted(g.weights.items())}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    source = {"file": g.path.name, "sha256": _sha256(g.path),
+              "types": {k: vars(d) for k, d in sorted(g.decisions.items())}}
+    (out / SOURCE_FILE).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")
+    return g
+
