@@ -58,6 +58,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
 )
+# The card's prompts; the third is the README's example.
+SAMPLE_PROMPTS = ("def ", "import os\n", "def quick_sort(arr):", "class Stack:\n")
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 MAIN_ARCH = dict(hidden_size=384, intermediate_size=896, num_hidden_layers=6,
@@ -210,23 +212,44 @@ def lr_at(progress: float, step: int, peak: float, warmup: int, floor: float = 0
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def losses(model, x: torch.Tensor, exit_layers: list[int]):
-    """Returns (final CE, [CE at each early exit]) for next-token prediction."""
+def losses(model, x: torch.Tensor, exit_layers: list[int], exit_stride: int = 1):
+    """Returns (final CE, [CE at each early exit]) for next-token prediction.
+
+    The early exits are scored on every ``exit_stride``-th position only: their
+    lm_head is a fifth of the step's matmul work, and a sample of positions
+    carries the same auxiliary signal."""
     inp, tgt = x[:, :-1], x[:, 1:]
     out = model.model(input_ids=inp, output_hidden_states=bool(exit_layers), use_cache=False)
     V = model.config.vocab_size
     logits = model.lm_head(out.last_hidden_state)  # last_hidden_state is already normed
     main = F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1))
     exits = []
+    sel = slice(exit_stride - 1, None, exit_stride)
     for k in exit_layers:
-        h = model.model.norm(out.hidden_states[k])  # hidden_states[k] = output of layer k
+        h = model.model.norm(out.hidden_states[k][:, sel])  # hidden_states[k] = output of layer k
         lg = model.lm_head(h)
-        exits.append(F.cross_entropy(lg.float().reshape(-1, V), tgt.reshape(-1)))
+        exits.append(F.cross_entropy(lg.float().reshape(-1, V), tgt[:, sel].reshape(-1)))
     return main, exits
 
 
+def autocast(args):
+    """bf16 autocast on CPUs with native bf16 dot products (AVX512-BF16 / AMX);
+    master weights, optimizer state and the loss stay fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16")
+
+
+def phase_shape(step: int, steps: int, args) -> tuple[int, int]:
+    """(batch, seq) at ``step``: short windows for most of the run (attention
+    costs less), the last ``--long-frac`` of the steps at ``--long-seq`` so the
+    model learns the context the engine serves. Tokens per step stay equal."""
+    if args.long_frac > 0 and step >= int(steps * (1 - args.long_frac)):
+        return max(1, args.bs * args.seq // args.long_seq), args.long_seq
+    return args.bs, args.seq
+
+
 def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: list[int],
-                exit_weight: float, steps: int, max_minutes: float, vocab_size: int):
+                exit_weight: float, steps: int, max_minutes: float, vocab_size: int,
+                held: torch.Tensor | None = None):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(args.seed)
@@ -239,7 +262,14 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    batches = Batches(stream, args.seq, args.bs, args.seed)
+    shapes: dict[tuple[int, int], Batches] = {}
+
+    def batch_at(step: int) -> torch.Tensor:
+        bs, seq = phase_shape(step, steps, args)
+        if (bs, seq) not in shapes:
+            shapes[(bs, seq)] = Batches(stream, seq, bs, args.seed)
+        return shapes[(bs, seq)].get(step)
+
     ckpt = Path(args.ckpt_dir) / f"{name}.pt"
     start, elapsed_before, history = 0, 0.0, []
     if args.resume and ckpt.exists():
@@ -280,9 +310,10 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
         lr = lr_at(progress, step, args.lr, args.warmup)
         for gparam in opt.param_groups:
             gparam["lr"] = lr
-        x = batches.get(step)
-        main, exits = losses(model, x, exit_layers)
-        loss = main + exit_weight * sum(exits)
+        x = batch_at(step)
+        with autocast(args):
+            main, exits = losses(model, x, exit_layers, args.exit_stride)
+            loss = main + exit_weight * sum(exits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -295,10 +326,15 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
             el = time.time() - t0
             rec = {"step": step, "loss": run["loss"] / run["n"],
                    "exit_loss": [v / run["n"] for v in run["exit"]], "lr": lr, "elapsed_s": round(el, 1)}
+            if held is not None and args.eval_every and step % args.eval_every == 0:
+                rec["heldout"] = curve_point(model, held, args.eval_seq, exit_layers)
+                model.train()
             history.append(rec)
             log(f"[{name}] step {step}/{steps} loss {rec['loss']:.3f} "
                 + " ".join(f"exit{k} {v:.3f}" for k, v in zip(exit_layers, rec["exit_loss"]))
-                + f" lr {lr:.2e} {el/60:.1f} min, {step*args.bs*args.seq/el:.0f} tok/s")
+                + f" lr {lr:.2e} {el/60:.1f} min, {step*args.bs*args.seq/el:.0f} tok/s"
+                + (f" held-out ppl {rec['heldout']['full']['perplexity']:.1f}"
+                   f" top1 {rec['heldout']['full']['top1_accuracy']:.3f}" if "heldout" in rec else ""))
             run = {"loss": 0.0, "exit": [0.0] * len(exit_layers), "n": 0}
         if step % args.ckpt_every == 0 and step < steps:
             save(step, time.time() - t0)
@@ -306,11 +342,18 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
     stats = {"steps": step, "planned_steps": steps, "stopped_by_time_budget": stopped_early,
              "tokens_seen": step * args.bs * args.seq, "train_seconds": round(elapsed, 1),
              "final_train_loss": history[-1]["loss"] if history else None,
-             "epochs": step * args.bs / batches.n_windows, "params": n_params(model),
+             "epochs": step * args.bs * args.seq / len(stream), "params": n_params(model),
              "history": history}
     save(step, elapsed, done=True, stats=stats)
     log(f"[{name}] done: {step} steps in {elapsed/60:.1f} min")
     return model, stats
+
+
+def curve_point(model, held: torch.Tensor, seq: int, exit_layers: list[int]) -> dict:
+    """Held-out figures on the first 32 windows, for the training curve only
+    (nothing is selected by it: the weights kept are the last step's)."""
+    ev = evaluate(model, held[: 32 * seq + 1], seq, exit_layers)
+    return {h: {k: round(v, 4) for k, v in d.items()} for h, d in ev.items()}
 
 
 def save_hf(model, out_dir: Path, tok, extra: dict):
@@ -335,7 +378,8 @@ def save_hf(model, out_dir: Path, tok, extra: dict):
 
 # --------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(model, stream: torch.Tensor, seq: int, exit_layers: list[int]) -> dict:
+def evaluate(model, stream: torch.Tensor, seq: int, exit_layers: list[int],
+             preds: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Non-overlapping windows of seq+1 tokens over the held-out stream; every
     token after the first of a window is predicted once."""
     model.eval()
@@ -359,10 +403,29 @@ def evaluate(model, stream: torch.Tensor, seq: int, exit_layers: list[int]) -> d
         for h in heads:
             lg = model.lm_head(hs[h]).float().reshape(-1, V)
             nll[h] += F.cross_entropy(lg, tgt, reduction="sum").item()
-            hit[h] += (lg.argmax(-1) == tgt).sum().item()
+            top = lg.argmax(-1)
+            hit[h] += (top == tgt).sum().item()
+            if preds is not None:
+                preds.setdefault(h, []).append(top)
         n += tgt.numel()
     return {h: {"perplexity": math.exp(nll[h] / n), "nll": nll[h] / n, "top1_accuracy": hit[h] / n,
                 "tokens": n} for h in heads}
+
+
+@torch.no_grad()
+def slice_check(model, path: Path, windows: int = 16, seq: int = 256) -> dict:
+    """Perplexity and top-1 on the first held-out windows as dspark's own tests cut them
+    (``dspark.llm.quantization.evaluate.heldout_windows``), by transformers in fp32: the
+    engine's forward must reproduce these from the saved weights."""
+    from dspark.llm.quantization.evaluate import heldout_windows
+
+    ws = heldout_windows(path, seq_len=seq, max_windows=windows)
+    x = torch.tensor(ws, dtype=torch.long)
+    lg = model(input_ids=x[:, :-1]).logits.float().reshape(-1, model.config.vocab_size)
+    tgt = x[:, 1:].reshape(-1)
+    nll = F.cross_entropy(lg, tgt).item()
+    return {"windows": windows, "seq_len": seq, "perplexity": round(math.exp(nll), 4),
+            "top1": round((lg.argmax(-1) == tgt).float().mean().item(), 5), "tokens": tgt.numel()}
 
 
 def load_saved(path: Path):
@@ -393,13 +456,25 @@ def strip_flags(argv: list[str]) -> list[str]:
             continue
         if a == "--resume":
             continue
-        if a == "--stages":
+        if a in ("--stages", "--ckpt-dir", "--out-dir"):
             skip = True
             continue
-        if a.startswith("--stages="):
+        if a.startswith(("--stages=", "--ckpt-dir=", "--out-dir=")):
             continue
         out.append(a)
     return out
+
+
+def repeat_run(text: str) -> int:
+    """Longest run of one identical non-blank line (1 = no line repeats back to back)."""
+    best = run = 0
+    prev = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        run = run + 1 if line == prev else 1
+        prev, best = line, max(best, run)
+    return best
 
 
 def dir_size(path: Path) -> int:
@@ -415,7 +490,11 @@ def write_card(path: Path, kind: str, info: dict):
     cfg = json.loads((path / "config.json").read_text())
     rows = "\n".join(
         f"| {h} | {v['perplexity']:.3f} | {fmt_pct(v['top1_accuracy'])} | {v['tokens']} |"
-        for h, v in ev.items())
+        for h, v in ev.items() if h != "slice")
+    slice_md = (f"The engine's own tests re-measure the first {ev['slice']['windows']} held-out windows of "
+                f"{ev['slice']['seq_len']} tokens (as `dspark.llm.quantization.evaluate.heldout_windows` cuts them): "
+                f"perplexity {ev['slice']['perplexity']:.3f}, top-1 {fmt_pct(ev['slice']['top1'])} "
+                "(recorded in `config.json` as `dspark_heldout_slice`)." if "slice" in ev else "")
     if kind == "main":
         title = "stdlib-llama — DSpark's embedded default model"
         blurb = ("A small Llama-architecture causal LM trained from scratch on the Python "
@@ -433,6 +512,12 @@ def write_card(path: Path, kind: str, info: dict):
                  "`stdlib-llama`, trained on the same data, for use as the separate draft "
                  "model in speculative decoding.")
         objective = "Plain next-token cross-entropy."
+    exit_line = (f"- Early exit scored on every {a.get('exit_stride', 1)}th position "
+                 f"(weight {a['exit_weight']})." if kind == "main" else "")
+    curve_rows = "\n".join(
+        f"| {h['step']} | {h['step'] * a['bs'] * a['seq']:,} | {h['loss']:.3f} | "
+        f"{h['heldout']['full']['perplexity']:.2f} | {fmt_pct(h['heldout']['full']['top1_accuracy'])} |"
+        for h in s.get("history", []) if "heldout" in h)
     samples_md = "\n\n".join(
         f"Prompt `{p!r}`:\n\n```python\n{t}\n```" for p, t in info.get("samples", []))
     text = f"""# {title}
@@ -480,18 +565,31 @@ max positions {cfg['max_position_embeddings']} (trained on {a['seq']}-token wind
 
 - Objective: {objective}
 - AdamW (betas 0.9/0.95, weight decay {a['wd']} on matrices), peak lr {a['lr']},
-  {a['warmup']} warm-up steps then cosine decay to 10%, gradient clipping 1.0, fp32 on CPU
-  ({info['threads']} threads), batch {a['bs']} x {a['seq']} tokens.
+  {a['warmup']} warm-up steps then cosine decay to 10%, gradient clipping 1.0; fp32 master
+  weights with {'bf16 autocast' if a.get('amp') == 'bf16' else 'fp32 compute'} on CPU ({info['threads']} threads).
+- Batches: {a['bs']} x {a['seq']} tokens for the first {100 * (1 - a.get('long_frac', 0)):.0f}% of the steps, then
+  {max(1, a['bs'] * a['seq'] // a.get('long_seq', a['seq']))} x {a.get('long_seq', a['seq'])} (same tokens per step) so the last phase trains the longer context.
+{exit_line}
 - Steps: {s['steps']} (planned {s['planned_steps']}{', ended by the wall-time budget' if s['stopped_by_time_budget'] else ''});
   tokens seen: {s['tokens_seen']:,} ({s['epochs']:.2f} epochs of the training stream);
   final training loss (last logging interval, full model): {s['final_train_loss']:.3f}.
-- Wall time: {s['train_seconds']/60:.1f} min on {info['machine']}.
+- Wall time: {s['train_seconds']/60:.1f} min on {info['machine']}, {s['tokens_seen'] / s['train_seconds']:.0f} tokens/s
+  overall (held-out curve points included); `scripts/train_throughput.py` measures each configuration.
 - Seed: {a['seed']} (model init; the data order is a pure function of seed and step).
+
+### Held-out curve
+
+Measured during training on the first 32 held-out windows of {a.get('eval_seq', a['seq'])} tokens (reporting only:
+the weights kept are the last step's, nothing was selected by this curve).
+
+| step | tokens seen | training loss | held-out perplexity | held-out top-1 |
+|---|---|---|---|---|
+{curve_rows}
 
 ## Held-out evaluation
 
 Held-out files, concatenated as in training, cut into non-overlapping windows of
-{a['seq']}+1 tokens (stride {a['seq']}; every token but a window's first is predicted
+{a.get('eval_seq', a['seq'])}+1 tokens (stride {a.get('eval_seq', a['seq'])}; every token but a window's first is predicted
 exactly once, with the window's preceding tokens as context); weights loaded from
 this directory in bfloat16 and cast to float32; top-1 = greedy argmax equals the
 actual next token.
@@ -502,17 +600,21 @@ actual next token.
 
 {'`full` is the whole model; `exitK` is the early exit after layer K (final norm + lm_head).' if kind == 'main' else ''}
 
-## Sanity check: greedy generation (40 new tokens, from this directory)
+{info.get('agreement_md', '')}
+
+{slice_md}
+
+## Greedy completions ({info.get('sample_tokens', 40)} new tokens, from this directory)
 
 {samples_md}
 
 ## Limitations
 
-A tiny model trained for under an hour on one CPU on ~10 MB of one code base: it produces
+A tiny model trained on two CPU cores on ~10 MB of one code base: it produces
 plausible-looking Python in the standard library's style, not correct programs,
 and knows nothing else. It exists so that DSpark's runtime, speculative decoding
 and quantization paths can be run and tested on a real, trained model offline.
-Context beyond {a['seq']} tokens was never trained.
+Context beyond {a.get('long_seq', a['seq'])} tokens was never trained.
 
 ## Reproduce
 
@@ -530,28 +632,43 @@ standard library and so gives different data). The wall-time budget
 
 # --------------------------------------------------------------------------- main
 def main():
+    global MAIN_DIR, DRAFT_DIR
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="tokenizer,main,draft,eval")
-    ap.add_argument("--main-steps", type=int, default=650)
-    ap.add_argument("--draft-steps", type=int, default=600)
+    ap.add_argument("--main-steps", type=int, default=4000)
+    ap.add_argument("--draft-steps", type=int, default=2000)
     ap.add_argument("--main-max-minutes", type=float, default=0, help="wall-time budget; the lr schedule follows it when it binds (0 = none)")
     ap.add_argument("--draft-max-minutes", type=float, default=0, help="wall-time budget; the lr schedule follows it when it binds (0 = none)")
     ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--bs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256, help="window of the first (short) phase")
+    ap.add_argument("--bs", type=int, default=8)
+    ap.add_argument("--long-seq", type=int, default=512, help="window of the last phase")
+    ap.add_argument("--long-frac", type=float, default=0.15, help="fraction of the steps at --long-seq")
+    ap.add_argument("--eval-seq", type=int, default=512, help="held-out window")
+    ap.add_argument("--eval-every", type=int, default=250, help="held-out curve point every N steps (0 = none)")
+    ap.add_argument("--amp", choices=["bf16", "none"],
+                    default="bf16" if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "none")
+    ap.add_argument("--exit-stride", type=int, default=4, help="score the early exit on every Nth position")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--exit-layers", default="2")
     ap.add_argument("--exit-weight", type=float, default=0.3)
     ap.add_argument("--max-pos", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--ckpt-dir", default="/tmp/dspark_train_ckpt")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--sample-tokens", type=int, default=48, help="new tokens per greedy completion in the card")
+    ap.add_argument("--out-dir", default=str(MAIN_DIR.parent),
+                    help="where stdlib-llama/ and stdlib-llama-draft/ are written (the tokenizer is "
+                         "read from the committed model when the tokenizer stage is skipped)")
     args = ap.parse_args()
+    committed = MAIN_DIR
+    MAIN_DIR = Path(args.out_dir) / "stdlib-llama"
+    DRAFT_DIR = Path(args.out_dir) / "stdlib-llama-draft"
     stages = set(args.stages.split(","))
     exit_layers = [int(x) for x in args.exit_layers.split(",") if x]
     torch.set_num_threads(args.threads)
@@ -572,7 +689,7 @@ def main():
         tok = train_tokenizer(train_texts, args.vocab_size, MAIN_DIR, args.max_pos)
         log(f"tokenizer trained: {len(tok)} tokens")
     else:
-        tok = AutoTokenizer.from_pretrained(MAIN_DIR)
+        tok = AutoTokenizer.from_pretrained(MAIN_DIR if (MAIN_DIR / "tokenizer.json").exists() else committed)
     MAIN_DIR.mkdir(parents=True, exist_ok=True)
     (MAIN_DIR / "heldout_files.txt").write_text("\n".join(heldout) + "\n")
     train_stream = encode_files(tok, train_texts)
@@ -584,23 +701,25 @@ def main():
             "train_tokens": len(train_stream), "heldout_tokens": len(held_stream)}
     log(f"data: {json.dumps(data)}")
 
+    trained_len = args.long_seq if args.long_frac > 0 else args.seq  # the longest window trained
     extra_main = {"dspark_early_exit_layers": exit_layers, "dspark_early_exit_loss_weight": args.exit_weight,
-                  "dspark_train_seq_len": args.seq, "dspark_role": "main"}
-    extra_draft = {"dspark_role": "draft", "dspark_draft_for": "stdlib-llama", "dspark_train_seq_len": args.seq}
+                  "dspark_train_seq_len": trained_len, "dspark_role": "main"}
+    extra_draft = {"dspark_role": "draft", "dspark_draft_for": "stdlib-llama", "dspark_train_seq_len": trained_len}
 
     if "main" in stages:
         m, stats = train_model("main", MAIN_ARCH, train_stream, args, exit_layers, args.exit_weight,
-                               args.main_steps, args.main_max_minutes, len(tok))
+                               args.main_steps, args.main_max_minutes, len(tok), held_stream)
         save_hf(m, MAIN_DIR, tok, extra_main)
         del m
     if "draft" in stages:
         m, stats = train_model("draft", DRAFT_ARCH, train_stream, args, [], 0.0,
-                               args.draft_steps, args.draft_max_minutes, len(tok))
+                               args.draft_steps, args.draft_max_minutes, len(tok), held_stream)
         save_hf(m, DRAFT_DIR, tok, extra_draft)
         del m
 
     if "eval" in stages:
         cmd = " ".join(["python scripts/train_default_model.py"] + strip_flags(sys.argv[1:]))
+        main_preds: dict[str, torch.Tensor] = {}
         machine = (f"{os.cpu_count()} cores of an {cpu_name()} (torch {torch.__version__}, "
                    f"{args.threads} threads; the machine was shared with other jobs, so times are "
                    "indicative only)")
@@ -609,26 +728,46 @@ def main():
             stats = st["stats"]
             tok2, model = load_saved(path)
             t = time.time()
-            ev = evaluate(model, held_stream, args.seq, layers)
+            preds: dict[str, list[torch.Tensor]] = {}
+            ev = evaluate(model, held_stream, args.eval_seq, layers, preds)
             log(f"[{kind}] held-out eval ({time.time()-t:.0f}s): {json.dumps(ev)}")
-            # sanity: greedy generation from the saved directory
+            flat = {h: torch.cat(v) for h, v in preds.items()}
+            if kind == "main":
+                main_preds = flat
+            agreement = {(h if kind == "main" else "draft model"): (v == main_preds["full"]).float().mean().item()
+                         for h, v in flat.items() if not (kind == "main" and h == "full")}
+            for h, v in agreement.items():
+                ev[h if kind == "main" else "full"]["greedy_agreement_with_main"] = v
+            agreement_md = ("Greedy agreement with the main model (teacher-forced on the same held-out windows: "
+                            "the share of positions where this head's argmax equals the full model's): "
+                            + ", ".join(f"`{h}` {fmt_pct(v)}" for h, v in agreement.items()) + ".")
+            # greedy completions from the saved directory
             samples = []
-            for prompt in ("def ", "import os\n"):
+            for prompt in SAMPLE_PROMPTS:
                 enc = tok2(prompt, return_tensors="pt")
-                out = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=PAD_ID)
+                out = model.generate(**enc, max_new_tokens=args.sample_tokens, do_sample=False,
+                                     pad_token_id=PAD_ID)
                 text = tok2.decode(out[0], skip_special_tokens=True)
                 samples.append((prompt, text))
-                log(f"[{kind}] {prompt!r} -> {text!r}")
+                log(f"[{kind}] {prompt!r} -> {text!r} (longest run of one repeated line: {repeat_run(text)})")
+            if kind == "main":
+                ev["slice"] = slice_check(model, path)
+                log(f"[{kind}] engine-check slice: {ev['slice']}")
+                cfg_path = path / "config.json"
+                cfg = json.loads(cfg_path.read_text())
+                cfg["dspark_heldout_slice"] = ev["slice"]
+                cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             info = {"data": data, "stats": stats, "eval": ev, "args": vars(args), "exit_layers": layers,
                     "vocab_size": len(tok2), "threads": args.threads, "machine": machine, "command": cmd,
-                    "samples": samples}
+                    "samples": samples, "sample_tokens": args.sample_tokens,
+                    "agreement_md": agreement_md if agreement else ""}
             write_card(path, kind, info)
             summary = {k: v for k, v in info.items() if k not in ("args",)}
             summary["stats"] = {k: v for k, v in stats.items() if k != "history"}
             (Path(args.ckpt_dir) / f"{kind}_summary.json").write_text(json.dumps(summary, indent=2))
             del model
         for p in (MAIN_DIR, DRAFT_DIR):
-            log(f"{p.relative_to(REPO)}: {dir_size(p)/1e6:.2f} MB")
+            log(f"{p}: {dir_size(p)/1e6:.2f} MB")
         log(f"total: {(dir_size(MAIN_DIR) + dir_size(DRAFT_DIR))/1e6:.2f} MB")
     # the draft shares the tokenizer: keep its files identical to the main model's
     if DRAFT_DIR.exists():

@@ -1,0 +1,83 @@
+"""The embedded default model (issue 19): it is good enough to be the first thing a user sees.
+
+Measured with the engine's own forward on held-out files the model never saw
+in training (``heldout_files.txt``), and on the README's example prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dspark.llm import LLM, SamplingParams
+from dspark.llm.quantization.evaluate import heldout_windows, perplexity
+from dspark.llm.api import default_model_path
+from dspark.llm.runner.model import ModelRunner
+
+README_PROMPT = "def quick_sort(arr):"
+
+
+def _repeat_run(text: str) -> int:
+    """Longest run of one identical non-blank line."""
+    best = run = 0
+    prev = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        run = run + 1 if line == prev else 1
+        prev, best = line, max(best, run)
+    return best
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32")
+
+
+def test_engine_reproduces_the_cards_heldout_figures() -> None:
+    """The engine's own forward on the first held-out windows gives the figures the training script
+    measured with transformers on the same windows (``dspark_heldout_slice`` in config.json)."""
+    path = default_model_path()
+    want = json.loads((path / "config.json").read_text())["dspark_heldout_slice"]
+    runner = ModelRunner.from_pretrained(str(path), "float32")
+    windows = heldout_windows(path, seq_len=want["seq_len"], max_windows=want["windows"])
+    m = perplexity(runner, windows)
+    assert m["tokens"] == want["tokens"]
+    assert m["perplexity"] == pytest.approx(want["perplexity"], rel=2e-3), (m, want)
+    assert abs(m["top1"] - want["top1"]) <= 2e-3, (m, want)
+    card = (path / "README.md").read_text()
+    assert f"perplexity {want['perplexity']:.3f}" in card
+
+
+def test_readme_example_is_python_not_a_loop(llm: LLM) -> None:
+    """The README's example, greedy: indented Python lines, no line repeated back to back."""
+    out = llm.generate([README_PROMPT], SamplingParams(temperature=0, max_tokens=64))[0].text
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) >= 3, out
+    assert _repeat_run(README_PROMPT + out) <= 2, out
+    assert any(re.match(r"\s{4,}\S", ln) for ln in lines), out  # a body, not a flat stream of tokens
+    assert len(set(lines)) >= 0.6 * len(lines), out
+
+
+def test_model_card_quotes_this_model() -> None:
+    """The card's figures belong to the weights beside it: architecture, exits and parameter count."""
+    from safetensors import safe_open
+
+    path = default_model_path()
+    card = (path / "README.md").read_text()
+    cfg = json.loads((path / "config.json").read_text())
+    assert f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers" in card
+    for k in cfg["dspark_early_exit_layers"]:
+        assert f"| exit{k} |" in card
+    with safe_open(str(path / "model.safetensors"), "pt") as f:  # a tied lm_head is stored once
+        n = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    assert f"**Parameters: {n:,}**" in card
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
