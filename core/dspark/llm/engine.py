@@ -352,7 +352,7 @@ class LLMEngine:
             seq.output_ids.append(t)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
-            self._check_stop(seq, t, decode=per_token)
+            self._check_stop(seq, t, decode=per_token, last=i == len(toks) - 1)
             if seq.status is Status.FINISHED:
                 break
         if not per_token:
@@ -424,15 +424,15 @@ class LLMEngine:
             seq.constraint.accept(tok)
         return tok
 
-    def _check_stop(self, seq: Sequence, tok: int, decode: bool = True) -> None:
+    def _check_stop(self, seq: Sequence, tok: int, decode: bool = True, last: bool = True) -> None:
         """Finish ``seq`` if ``tok`` (just appended) ends it. ``decode=False`` skips decoding the text,
         for a caller appending several tokens at once that decodes once afterwards (``_set_text``);
         only allowed without stop strings, which need the text after every token."""
         p = seq.params
         early = len(seq.output_ids) < p.min_tokens  # as vLLM: no stop checks before min_tokens
         stop_tok = not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids))
-        if seq.constraint is not None and seq.constraint.is_terminated():
-            stop_tok = True  # the grammar ended (on EOS): nothing may follow
+        if last and seq.constraint is not None and seq.constraint.is_terminated():
+            stop_tok = True  # the grammar ended (on EOS); it has seen all of a verified run, so only its last token
         if decode or p.stop:
             self._set_text(seq, stop_tok)
         reason = "stop" if stop_tok else None
