@@ -18,9 +18,15 @@ def devices(
     as_json: JsonOpt = False,
     refresh: Annotated[bool, typer.Option("--refresh", help="Re-run cached microbenchmarks.")] = False,
     plugin: PluginOpt = None,
+    cluster: Annotated[bool, typer.Option("--cluster", help="Every node of a Ray cluster, probed on the node.")] = False,
+    ray_address: Annotated[str | None, typer.Option(help="With --cluster: the cluster to join (default 'auto').")] = None,
 ) -> None:
     """List every device, the plugins/runtimes that drive it, and every plugin's status and failures."""
     from dspark.host.inventory import probe
+
+    if cluster:
+        _cluster_devices(ray_address, as_json)
+        return
 
     host = host_from_cli(plugin)
     if refresh:  # calibrations are microbenchmarks too: the next plan measures them again
@@ -60,6 +66,45 @@ def devices(
                        "\n".join([p.reason] * bool(p.reason) + [f"{u.what}: {u.reason}" for u in p.unavailable if u.reason not in p.reason]))
     out.print(ptable)
     print_faults(inv.plugins, out)
+
+
+def _cluster_devices(address: str | None, as_json: bool) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        err.print("error: --cluster needs Ray; install it with pip install 'dspark[cluster]'")
+        raise typer.Exit(2)
+    from dspark.server.cluster.nodes import cluster_devices
+
+    try:
+        if sys.stderr.isatty() and not as_json:
+            with err.status("probing every node..."):
+                nodes = cluster_devices(address)
+        else:
+            nodes = cluster_devices(address)
+    except ConnectionError as e:
+        err.print(f"error: --cluster: no Ray cluster to join ({e})")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps({"nodes": nodes}, indent=2))
+        return
+    table = Table(title=f"Devices on {len(nodes)} nodes", title_justify="left")
+    for col in ("node", "address", "device", "kind", "name", "memory total", "driven by (plugin: runtime)"):
+        table.add_column(col, overflow="fold")
+    ptable = Table(title="Plugins per node", title_justify="left")
+    for col in ("node", "plugin", "status", "devices", "reason"):
+        ptable.add_column(col, overflow="fold")
+    for n in nodes:
+        node = n["node_id"][:12]
+        if n.get("error"):
+            table.add_row(node, n["address"], "-", "-", f"[red]{n['error']}[/]", "-", "-")
+        for d in n["devices"]:
+            table.add_row(node, n["address"], d["id"], d["kind"], d["name"], fmt_bytes(d.get("memory_total_bytes")),
+                          "\n".join(f"{drv['plugin']}: {drv['runtime']}" for drv in d.get("drivers", [])))
+        for p in n["plugins"]:
+            ptable.add_row(node, p["name"], p["status"], " ".join(p.get("devices", [])) or "-", p.get("reason") or "")
+    out.print(table)
+    out.print(ptable)
 
 
 @app.command()

@@ -31,6 +31,10 @@ def serve(
                                                 help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto | float32 | bfloat16 | float16.")] = None,
     cpu_cores: Annotated[int | None, typer.Option(help="torch intra-op threads (resources.cpu_cores_per_worker).")] = None,
+    replicas: Annotated[int | None, typer.Option(
+        help="Serve through Ray Serve with this many engine replicas (cluster.replicas).")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        help="Join this Ray cluster (host:port, or 'auto'); default: start a local Ray (cluster.ray_address).")] = None,
     log_level: Annotated[str, typer.Option(envvar="DSPARK_LOG_LEVEL", help="DEBUG | INFO | WARNING | ERROR.")] = "INFO",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -44,7 +48,7 @@ def serve(
     overrides = dict(host=host, port=port, model=model, served_model_name=served_model_name,
                      max_batch_size=max_batch_size, max_model_len=max_model_len, max_total_tokens=max_total_tokens,
                      metrics_port=metrics_port, enable_metrics=False if no_metrics else None, api_key=api_key,
-                     dtype=dtype, cpu_cores=cpu_cores)
+                     dtype=dtype, cpu_cores=cpu_cores, replicas=replicas, ray_address=ray_address)
     try:
         cfg = load_config(config, overrides)
         cfg.engine_config()  # engine-level checks too, before anything loads
@@ -55,7 +59,16 @@ def serve(
     if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
         typer.echo(f"error: model.path: no checkpoint directory or .gguf file at {path}", err=True)
         raise typer.Exit(2)
-    from dspark.server.launch import serve as run
+    if cfg.cluster.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+            typer.echo("error: cluster: serving on Ray needs Ray Serve; install it with "
+                       "pip install 'dspark[cluster]'", err=True)
+            raise typer.Exit(2)
+        from dspark.server.cluster.deploy import serve_cluster as run
+    else:
+        from dspark.server.launch import serve as run
 
     try:
         run(cfg)

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark.llm.config import EngineConfig, PreemptionPolicy, SchedulerPolicy
 from dspark.llm.config import QuantizationConfig
 
 SpecStrategy = Literal["deepspec", "deepspec_v2", "fixed", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Router = Literal["least_tokens", "prefix_affinity", "power_of_two"]
 
 
 class _Section(BaseModel):
@@ -137,12 +138,72 @@ class ObservabilitySection(_Section):
         return v
 
 
+class Autoscaling(_Section):
+    """Handed to Ray Serve's ``autoscaling_config`` (replicas follow the queue depth between the bounds)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(
+        16, gt=0, description="sequences in flight per replica the autoscaler aims at (queue depth)")
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(60, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class ReplicaResources(_Section):
+    """What one engine replica asks of its node (Ray places it on a node that has them)."""
+
+    num_cpus: float = Field(1, ge=0, description="CPU cores reserved per replica; also its torch threads "
+                            "when resources.cpu_cores_per_worker is unset")
+    num_gpus: float = Field(0, ge=0)
+    memory_bytes: int | None = Field(None, ge=1, description="RAM reserved per replica (Ray's 'memory')")
+    custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {npu: 1}")
+
+
+class ClusterSection(_Section):
+    """``dspark serve --replicas N`` / ``--ray-address``: serve through Ray Serve instead of one process."""
+
+    replicas: int | None = Field(None, ge=1, description="fixed number of engine replicas; null with no "
+                                 "autoscaling = single-process server (no Ray)")
+    autoscaling: Autoscaling | None = Field(None, description="a replica range instead of a fixed count")
+    ray_address: str | None = Field(None, description="join this Ray cluster ('auto' = the one this machine "
+                                    "belongs to); null = start a local Ray")
+    resources_per_replica: ReplicaResources = Field(default_factory=ReplicaResources)
+    router: Router = Field("least_tokens", description="least_tokens: fewest outstanding tokens; "
+                           "prefix_affinity: also keep a prompt prefix on the replica that served it; "
+                           "power_of_two: Ray Serve's default (request counts)")
+    affinity_slack_tokens: int = Field(
+        2048, ge=0, description="prefix_affinity: keep the affine replica unless its outstanding tokens exceed "
+        "the least loaded one's by more than this")
+    max_ongoing_requests: int = Field(64, ge=1, description="sequences one replica accepts at once (Ray Serve "
+                                      "queues the rest at the router)")
+    app_name: str = Field("dspark", min_length=1)
+    namespace: str = Field("dspark", min_length=1, description="Ray namespace of the app and its actors")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ClusterSection:
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("set either replicas or autoscaling, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas is not None or self.autoscaling is not None or self.ray_address is not None
+
+
 class ServerConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     server: ServerSection = Field(default_factory=ServerSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection, description="serve through Ray Serve: "
+                                    "replicas, resources per replica, router (docs/cluster.md)")
 
     def model_path(self) -> Path:
         from dspark.llm import default_model_path
@@ -182,6 +243,7 @@ OVERRIDES: dict[str, str] = {
     "max_batch_size": "engine.continuous_batching.max_batch_size", "max_model_len": "engine.max_model_len",
     "max_total_tokens": "engine.max_total_tokens", "metrics_port": "resources.metrics_port",
     "enable_metrics": "resources.enable_metrics", "cpu_cores": "resources.cpu_cores_per_worker",
+    "replicas": "cluster.replicas", "ray_address": "cluster.ray_address",
 }
 
 
@@ -218,7 +280,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: expected a mapping with model/server/engine/resources/observability sections, "
+            raise ConfigError(f"{p}: expected a mapping with model/server/engine/resources/observability/cluster sections, "
                               f"got {type(raw).__name__}")
     for flag, value in (overrides or {}).items():
         if value is not None:

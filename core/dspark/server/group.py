@@ -37,6 +37,10 @@ class ClientGone(Exception):
     """The HTTP client disconnected; its sequences were aborted."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine behind a sequence went away (a cluster replica died after the sequence had started)."""
+
+
 class ShuttingDown(Exception):
     """The server is stopping and its drain time ran out before these sequences finished."""
 

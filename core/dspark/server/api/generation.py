@@ -20,7 +20,7 @@ from dspark.host.log import get_logger
 from dspark.llm import RequestOutput, SamplingParams
 from dspark.server.api.errors import param_path
 from dspark.server.api.state import ServerState
-from dspark.server.group import ClientGone, SeqSpec, SequenceGroup, ShuttingDown
+from dspark.server.group import ClientGone, EngineUnavailable, SeqSpec, SequenceGroup, ShuttingDown
 from dspark.server.protocol.openai_schema import APIError, ErrorBody, SamplingFields, Usage
 from dspark.server.protocol.token_text import TokenText
 
@@ -83,6 +83,10 @@ async def stream(group: SequenceGroup, prompts: list[list[int]], head: list[str]
     except ShuttingDown:  # the drain time ran out: end the stream in-band, as OpenAI reports errors
         yield sse({"error": ErrorBody(message="The server is shutting down; this response was cut short.",
                                       type="server_error", code="server_shutting_down").model_dump()})
+    except EngineUnavailable as e:  # a cluster replica died mid-stream: say so, the client may retry
+        log.warning("stream cut short: engine unavailable", request_id=envelope["id"], error=str(e))
+        yield sse({"error": ErrorBody(message=f"generation failed: {e}", type="server_error",
+                                      code="engine_unavailable").model_dump()})
     except Exception as e:  # an engine fault mid-stream: the status line is gone, so say it in-band
         log.exception("stream failed", request_id=envelope["id"], error=repr(e))
         yield sse({"error": ErrorBody(message=f"generation failed: {e}", type="server_error").model_dump()})
@@ -99,6 +103,8 @@ async def finals_or_raise(group: SequenceGroup) -> list[RequestOutput]:
     except ShuttingDown:
         raise APIError(503, "The server is shutting down; the request was not completed.",
                        type="server_error", code="server_shutting_down") from None
+    except EngineUnavailable as e:
+        raise APIError(503, f"generation failed: {e}", type="server_error", code="engine_unavailable") from None
     except Exception as e:
         log.exception("generation failed", error=repr(e))
         raise APIError(500, f"generation failed: {e}", type="server_error") from None

@@ -1,0 +1,135 @@
+"""The ingress's stand-in for the engine: it validates requests locally and streams each sequence from a replica.
+
+The server's routes use an ``AsyncLLMEngine`` (``generate``, ``stats``,
+``shutdown``) and, through its ``engine``, the checks that turn bad input into
+a 400 before anything runs (tokenizer, vocabulary, model length, KV capacity,
+grammars). :class:`EngineFront` carries those from a replica's ``describe()``
+and runs the engine's own ``encode``/``make_sequence`` code on them, so the
+ingress says exactly what the single-process server says, without a model.
+
+A sequence whose replica dies before its first output is sent again (Ray
+Serve's router then picks among the live replicas); one that had started
+streaming ends with :class:`~dspark.server.group.EngineUnavailable`, which the
+routes turn into an OpenAI error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from dspark.host.log import get_logger
+from dspark.llm import RequestOutput, SamplingParams
+from dspark.llm.engine import EngineStats, LLMEngine
+from dspark.server.cluster.routing import route_info
+from dspark.server.group import EngineUnavailable
+
+log = get_logger("dspark.server.cluster")
+RETRIES = 2  # sends after the first, while nothing has streamed yet
+_REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+class EngineFront:
+    """What the routes read of ``AsyncLLMEngine.engine``, from a replica's ``describe()``."""
+
+    encode = LLMEngine.encode
+    make_sequence = LLMEngine.make_sequence
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(d["tokenizer"]) if d["tokenizer"] else None
+        self.runner = SimpleNamespace(cfg=SimpleNamespace(vocab_size=d["vocab_size"], bos_token_id=d["bos_token_id"]))
+        self.eos_ids = set(d["eos_ids"])
+        self.max_model_len = int(d["max_model_len"])
+        self.cache = SimpleNamespace(page_size=d["page_size"], allocator=SimpleNamespace(num_pages=d["num_pages"]))
+        self.placement = None  # the replicas place the model; the ingress holds none of it
+
+
+def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
+    """The replicas' engine state as one engine's: counts and bytes add up, ratios are recomputed."""
+    stats = [e["stats"] for e in entries]
+    total = {k: sum(int(s.get(k, 0)) for s in stats) for k in (
+        "kv_used_bytes", "kv_total_bytes", "kv_used_pages", "kv_free_pages", "kv_total_pages", "num_running",
+        "num_waiting", "num_preemptions", "effective_max_batch", "spec_drafts", "spec_draft_tokens",
+        "spec_accepted_tokens", "spec_drafter_failures", "spec_explore_steps")}
+    pages = total["kv_total_pages"]
+    drafts, drafted, accepted = total["spec_drafts"], total["spec_draft_tokens"], total["spec_accepted_tokens"]
+    return EngineStats(
+        **{k: v for k, v in total.items() if not k.startswith("spec_")},
+        kv_usage=total["kv_used_pages"] / pages if pages else 0.0,
+        kv_fragmentation=max((float(s.get("kv_fragmentation", 0.0)) for s in stats), default=0.0),
+        page_size=int(stats[0]["page_size"]) if stats else 0,
+        spec_strategy=next((s.get("spec_strategy") for s in stats if s.get("spec_strategy")), None),
+        spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+        spec_acceptance_rate=accepted / drafted if drafted else 0.0,
+        spec_mean_accepted_length=accepted / drafts if drafts else 0.0,
+        spec_drafter_failures=total["spec_drafter_failures"], spec_explore_steps=total["spec_explore_steps"])
+
+
+class RemoteAsyncEngine:
+    """``AsyncLLMEngine``'s surface over a Ray Serve handle to the engine replicas."""
+
+    def __init__(self, handle: Any, front: EngineFront, registry: Any, *, affinity: bool,
+                 refresh_s: float = 1.0) -> None:
+        self.handle = handle.options(stream=True)
+        self.engine = front
+        self.registry, self.affinity = registry, affinity
+        self._ids = itertools.count()
+        self.replicas: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._refresh_s = refresh_s
+        self._thread = threading.Thread(target=self._refresh, name="dspark-cluster-stats", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        import ray
+
+        while not self._stop.is_set():
+            try:
+                self.replicas = ray.get(self.registry.entries.remote(), timeout=10)
+            except Exception as e:  # noqa: BLE001 (the registry restarting: keep the last view)
+                log.warning("replica registry unavailable", error=repr(e))
+            self._stop.wait(self._refresh_s)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        rid = request_id or f"cluster-{next(self._ids)}"
+        params = params or SamplingParams()
+        seq = self.engine.make_sequence(rid, prompt, params, priority)  # raises here, in the caller
+        info = route_info(rid, seq.prompt_ids, params.max_tokens, affinity=self.affinity)
+        for attempt in range(RETRIES + 1):
+            stream = self.handle.generate.remote(info, seq.prompt_ids, params, rid, priority)
+            started = finished = False
+            try:
+                async for batch in stream:
+                    for out in batch:
+                        started = True
+                        finished = out.finished
+                        yield out
+                return
+            except _REPLICA_GONE as e:
+                if started or attempt == RETRIES:
+                    raise EngineUnavailable(
+                        f"the engine replica serving this request stopped "
+                        f"{'mid-generation' if started else 'before it started'} ({type(e).__name__}); "
+                        f"retry the request") from None
+                log.warning("engine replica gone before the sequence started; sending it again",
+                            request_id=rid, attempt=attempt + 1, error=type(e).__name__)
+            finally:
+                if not finished:
+                    stream.cancel()  # the consumer went away (or the replica did): stop it there, free its KV
+
+    async def abort(self, request_id: str) -> None:
+        """Sequences are aborted by closing their stream (the replica's call is cancelled)."""
+
+    def stats(self) -> EngineStats:
+        return _sum_stats(self.replicas)
+
+    def shutdown(self) -> None:
+        self._stop.set()

@@ -1,0 +1,151 @@
+"""One engine replica: an ``AsyncLLMEngine`` on its node's devices, streaming outputs to the ingress.
+
+Ray places the replica on a node with the resources it asks for; inside it the
+engine is built exactly as the single-process server builds it, so the model is
+placed on *that node's* devices by *that node's* plugins. Each replica also
+serves its own ``dspark_`` metrics (labelled ``replica`` and ``node``) on a port
+of its own, listed by the app's registry for Prometheus' HTTP service discovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import ray
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from ray import serve
+
+from dspark.host.log import get_logger
+from dspark.llm import RequestOutput, SamplingParams
+from dspark.server.cluster.registry import get_registry
+from dspark.server.cluster.router import OUTSTANDING
+from dspark.server.cluster.routing import RouteInfo
+
+log = get_logger("dspark.server.cluster")
+_END = object()
+
+
+class _Labelled(Collector):
+    """Every sample of ``inner`` with the replica's own labels added."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner, self.labels = inner, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.inner.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                out.add_sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp, s.exemplar)
+            yield out
+
+
+class EngineReplica:
+    """The engine deployment's class (wrapped by ``serve.deployment`` in :mod:`.deploy`)."""
+
+    def __init__(self, cfg: dict[str, Any], threads: int) -> None:
+        import torch
+        from prometheus_client import start_http_server
+
+        from dspark.llm import AsyncLLMEngine
+        from dspark.server.config import ServerConfig
+        from dspark.server.launch import _log_scheduler
+        from dspark.server.metrics import ServerMetrics
+        from dspark.server.protocol.chat_template import ChatTemplate
+
+        self.cfg = c = ServerConfig.model_validate(cfg)
+        torch.set_num_threads(max(1, threads))
+        path = c.model_path()
+        t0 = time.perf_counter()
+        self.engine = AsyncLLMEngine.from_pretrained(path, dtype=c.model.dtype, config=c.engine_config())
+        eng = self.engine.engine
+        self.strategy = _log_scheduler(c, getattr(eng, "spec", None))
+        self.metrics = ServerMetrics(self.engine, model_name=c.served_name(), spec_strategy=self.strategy)
+        self.metrics.instrument_engine(self.engine)
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        served = CollectorRegistry()
+        served.register(_Labelled(self.metrics.registry, {"replica": self.replica, "node": self.node_id[:12]}))
+        self._metrics_server, _ = start_http_server(0, addr=self.node_ip, registry=served)
+        self.metrics_url = f"http://{self.node_ip}:{self._metrics_server.server_port}/metrics"
+        self.chat = ChatTemplate.from_checkpoint(path)
+        self.model_root = str(path)
+        self.outstanding = 0  # prompt + max_tokens of every sequence here, not finished
+        self.registry = get_registry(c.cluster.app_name, c.cluster.namespace)
+        from dspark.server.observability import describe_runtime
+
+        self.target = describe_runtime(self.engine).target
+        log.info("engine replica ready", replica=self.replica, node=self.node_id, target=self.target,
+                 metrics=self.metrics_url, seconds=round(time.perf_counter() - t0, 2), torch_threads=threads)
+        self.record_routing_stats()
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress needs to validate requests without a model of its own."""
+        eng = self.engine.engine
+        tok = eng.tokenizer
+        return {"tokenizer": tok.to_str() if tok is not None else None, "vocab_size": eng.runner.cfg.vocab_size,
+                "bos_token_id": eng.runner.cfg.bos_token_id, "eos_ids": sorted(eng.eos_ids),
+                "max_model_len": eng.max_model_len, "num_pages": eng.cache.allocator.num_pages,
+                "page_size": eng.cache.page_size, "model_root": self.model_root, "model_name": self.cfg.served_name(),
+                "chat_template": self.chat.source, "special_tokens": self.chat.special_tokens,
+                "spec_strategy": self.strategy}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Ray Serve every routing-stats period: what the router reads, and the registry's heartbeat."""
+        s = self.engine.stats()
+        self.registry.report.remote(self.replica, {
+            "node_id": self.node_id, "node_ip": self.node_ip, "pid": os.getpid(), "metrics_url": self.metrics_url,
+            "target": self.target, "outstanding_tokens": self.outstanding, "stats": s.__dict__})
+        return {OUTSTANDING: self.outstanding, "running": s.num_running, "waiting": s.num_waiting}
+
+    async def generate(self, info: RouteInfo, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[list[RequestOutput]]:
+        """Stream one sequence's outputs, several per item when they come faster than the ingress takes them."""
+        self.outstanding += info.work_tokens
+        timer = self.metrics.sequence(len(prompt_ids))
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.engine.generate(prompt_ids, params, request_id=request_id, priority=priority):
+                    q.put_nowait(out)
+            except Exception as e:  # noqa: BLE001 (handed to the consumer, which raises it to the ingress)
+                q.put_nowait(e)
+            finally:
+                q.put_nowait(_END)
+
+        task = asyncio.create_task(pump())
+        try:
+            while True:
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                outs = [i for i in items if isinstance(i, RequestOutput)]
+                for o in outs:
+                    timer.update(o)
+                if outs:
+                    yield outs
+                err = next((i for i in items if isinstance(i, BaseException)), None)
+                if err is not None:
+                    raise err
+                if any(i is _END for i in items):
+                    return
+        finally:
+            task.cancel()  # a cancelled call (client gone): the engine's generator aborts and frees the KV pages
+            self.outstanding -= info.work_tokens
+            timer.finish("abort")  # no-op when it finished
+
+    def __del__(self) -> None:
+        try:
+            self.registry.drop.remote(self.replica)
+            self.engine.shutdown()
+            self._metrics_server.shutdown()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to tell)
+            pass
