@@ -53,6 +53,8 @@ def serve(
     extra_body: Annotated[str | None, typer.Option(
         help='JSON object merged into every request body, e.g. \'{"temperature": 0.8}\'.')] = None,
     timeout: Annotated[float, typer.Option(help="Per-request timeout, s.")] = 600.0,
+    api_key: Annotated[str | None, typer.Option(envvar="DSPARK_API_KEY", show_envvar=True,
+                                                help="Sent as 'Authorization: Bearer KEY'.")] = None,
     sweep: Annotated[str | None, typer.Option(
         help="NAME=V1,V2,...: start a server per value (e.g. max_batch_size=1,4,16,64), run the same load on "
              "each, write sweep.csv and the throughput-vs-P99 plot sweep.png to --out.")] = None,
@@ -77,7 +79,7 @@ def serve(
     try:
         cfg = LoadConfig(url=url, model=model, concurrency=concurrency, request_rate=request_rate, chat=chat,
                          seed=seed, disconnect_fraction=disconnect_fraction, timeout_s=timeout, extra_body=body,
-                         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, api_key=api_key)
         if dataset is not None:
             pool = load_dataset(dataset)
             n = num_requests or len(pool)

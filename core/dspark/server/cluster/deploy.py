@@ -97,9 +97,13 @@ def serve_cluster(cfg: ServerConfig) -> None:
         _take_down(cfg)
         raise ValueError(f"cluster: the Serve app did not start: {why}") from None
     url = f"http://{host}:{port}"
-    log.info(f"DSpark cluster server is listening on {url}", url=url, host=host, port=port,
+    log.info(f"DSpark server is listening on {url}", url=url, host=host, port=port, cluster=True,
              replicas=cl.replicas, autoscaling=cl.autoscaling.model_dump() if cl.autoscaling else None,
-             router=cl.router, metrics_targets=f"{url}/cluster/metrics-targets")
+             router=cl.router, ray_address=cl.ray_address)
+    if cfg.resources.enable_metrics:
+        # The ingress's own series on the API port; each replica's on a port of its own, listed for Prometheus.
+        log.info(f"Metrics endpoint is available on {url}/metrics", url=f"{url}/metrics", metrics_port=port,
+                 replica_targets=f"{url}/cluster/metrics-targets")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -61,6 +61,8 @@ class Ingress:
         async def targets() -> list[dict[str, Any]]:
             out = []
             for e in remote.replicas:
+                if not e.get("metrics_url"):
+                    continue
                 hostport = e["metrics_url"].removeprefix("http://").removesuffix("/metrics")
                 # The samples carry replica and node labels themselves; these only name the app.
                 out.append({"targets": [hostport], "labels": {"dspark_app": app_name}})

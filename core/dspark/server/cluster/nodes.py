@@ -34,7 +34,7 @@ def cluster_devices(address: str | None = None, timeout_s: float = 300.0) -> lis
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
                 for n in nodes]
         out = []
-        for n, ref in zip(nodes, refs):
+        for n, ref in zip(nodes, refs, strict=True):
             entry: dict[str, Any] = {"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
                                      "resources": n.get("Resources", {})}
             try:

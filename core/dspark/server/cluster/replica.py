@@ -71,10 +71,13 @@ class EngineReplica:
         self.replica = ctx.replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
-        served = CollectorRegistry()
-        served.register(_Labelled(self.metrics.registry, {"replica": self.replica, "node": self.node_id[:12]}))
-        self._metrics_server, _ = start_http_server(0, addr=self.node_ip, registry=served)
-        self.metrics_url = f"http://{self.node_ip}:{self._metrics_server.server_port}/metrics"
+        self._metrics_server: Any = None
+        self.metrics_url = None
+        if c.resources.enable_metrics:  # on a port of its own: Prometheus finds it through the registry
+            served = CollectorRegistry()
+            served.register(_Labelled(self.metrics.registry, {"replica": self.replica, "node": self.node_id[:12]}))
+            self._metrics_server, _ = start_http_server(0, addr=self.node_ip, registry=served)
+            self.metrics_url = f"http://{self.node_ip}:{self._metrics_server.server_port}/metrics"
         self.chat = ChatTemplate.from_checkpoint(path)
         self.model_root = str(path)
         self.outstanding = 0  # prompt + max_tokens of every sequence here, not finished
@@ -146,6 +149,7 @@ class EngineReplica:
         try:
             self.registry.drop.remote(self.replica)
             self.engine.shutdown()
-            self._metrics_server.shutdown()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
         except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to tell)
             pass

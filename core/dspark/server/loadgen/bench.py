@@ -121,6 +121,7 @@ class LoadConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    api_key: str | None = None  # sent as "Authorization: Bearer KEY"
 
     def __post_init__(self) -> None:
         if self.concurrency is None and self.request_rate is None:
@@ -285,7 +286,9 @@ async def run_load(cfg: LoadConfig, reqs: Sequence[BenchRequest],
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
     results: list[RequestResult | None] = [None] * len(reqs)
-    async with httpx.AsyncClient(base_url=cfg.base, limits=limits, timeout=timeout, transport=transport) as client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(base_url=cfg.base, limits=limits, timeout=timeout, transport=transport,
+                                 headers=headers) as client:
         model = cfg.model or await fetch_model(client)
         t_run = time.perf_counter()
 

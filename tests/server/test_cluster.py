@@ -1,0 +1,237 @@
+"""The server on a two-node Ray cluster: ``dspark serve --replicas 2 --ray-address`` against real nodes.
+
+A head and a worker node run on this machine's loopback (``ray start --block``
+processes), declaring different resources; the worker is started without the
+npu plugin. The tests run in file order on one deployment: the openai client
+through the ingress, both replicas' own metrics, the soak (2,000 requests, a
+fifth of the clients hanging up), a replica killed mid-load, and last the
+worker node leaving. Everything is bounded in time and stopped by the fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="the cluster extra (pip install 'dspark[cluster]') is not installed")
+
+from dspark.llm import SamplingParams  # noqa: E402
+from dspark.server.cluster.local import LocalCluster  # noqa: E402
+from dspark.server.loadgen.bench import LoadConfig, default_workload, disconnect_plan, run  # noqa: E402
+
+from conftest import DEFAULT_CONFIG, MODEL_NAME, Metrics, ServerHandle, _merge, start_server  # noqa: E402
+
+KEY = "cluster-test-key"
+PROMPT = "def quick_sort(arr):"
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("ray"), port=_free_port())
+    try:
+        c.start(num_cpus=2, resources={"dspark_head": 1})
+        c.add_node(num_cpus=1, resources={"dspark_worker": 1}, env={"DSPARK_PLUGINS": "no:npu"})
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def served(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    cfg = _merge(DEFAULT_CONFIG, {"engine": {"continuous_batching": {"max_batch_size": 32}},
+                                  "cluster": {"resources_per_replica": {"num_cpus": 1}, "max_ongoing_requests": 32}})
+    h = start_server(tmp_path_factory.mktemp("cluster-server"), config=cfg, api_key=KEY, env=cluster.env,
+                     args=["--replicas", "2", "--ray-address", cluster.address], timeout=240)
+    try:
+        wait_for(lambda: len(replicas(h)) == 2, 60, "two registered replicas")
+        yield h
+    finally:
+        code = h.stop(timeout=60)
+    assert code == 0, h.log_path.read_text()[-4000:]
+
+
+def replicas(h: ServerHandle) -> list[dict[str, Any]]:
+    return list(httpx.get(f"{h.base_url}/cluster/replicas", timeout=10).json()["replicas"])
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def scrape(entry: dict[str, Any]) -> Metrics:
+    return Metrics(httpx.get(entry["metrics_url"], timeout=10).text)
+
+
+def idle(h: ServerHandle) -> bool:
+    reps = replicas(h)
+    return len(reps) == 2 and all(e["stats"]["kv_used_pages"] == 0 and e["stats"]["num_running"] == 0
+                                  and e["stats"]["num_waiting"] == 0 and e["outstanding_tokens"] == 0 for e in reps)
+
+
+def load(h: ServerHandle, n: int, concurrency: int, *, disconnect: float = 0.0, max_tokens: tuple[int, int] = (1, 16),
+         seed: int = 0) -> Any:
+    cfg = LoadConfig(url=h.base_url, concurrency=concurrency, disconnect_fraction=disconnect, seed=seed,
+                     extra_body={"ignore_eos": True}, timeout_s=120, api_key=KEY)
+    reqs = default_workload(n, seed=seed, prompt_tokens=(4, 24), max_tokens=max_tokens)
+    return reqs, run(cfg, reqs)
+
+
+def test_devices_cluster_probes_each_node_with_its_own_plugins(cluster: LocalCluster) -> None:
+    out = subprocess.run([sys.executable, "-m", "dspark.cli", "devices", "--cluster", "--ray-address", cluster.address,
+                          "--json"], capture_output=True, text=True, timeout=240, env=cluster.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    nodes = json.loads(out.stdout)["nodes"]
+    assert len(nodes) == 2
+    by_role = {("worker" if "dspark_worker" in n["resources"] else "head"): n for n in nodes}
+    npu = {role: next(p for p in n["plugins"] if p["name"] == "npu") for role, n in by_role.items()}
+    assert npu["worker"]["status"] == "blocked" and "no:npu" in npu["worker"]["reason"]
+    assert npu["head"]["status"] != "blocked"
+    for n in nodes:
+        assert any(d["id"] == "cpu" for d in n["devices"]), n
+        assert next(p for p in n["plugins"] if p["name"] == "cpu")["status"] == "active"
+
+
+def test_openai_client_through_the_ingress(served: ServerHandle, reference: Any) -> None:
+    import openai
+
+    client = openai.OpenAI(api_key=KEY, base_url=f"{served.base_url}/v1", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0)
+    want = reference.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))[0]
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == 24
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": "Sort a list."}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(api_key="wrong", base_url=f"{served.base_url}/v1", max_retries=0).completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:  # checked at the ingress, as the single server does
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+
+
+def test_replicas_on_both_nodes_each_with_labelled_metrics(served: ServerHandle, cluster: LocalCluster) -> None:
+    reps = replicas(served)
+    assert len({e["node_id"] for e in reps}) == 2, "Serve should spread the two replicas over the two nodes"
+    targets = httpx.get(f"{served.base_url}/cluster/metrics-targets", timeout=10).json()
+    assert sorted(t["targets"][0] for t in targets) == sorted(
+        e["metrics_url"].removeprefix("http://").removesuffix("/metrics") for e in reps)
+    before = {e["replica"]: scrape(e).value("dspark_generation_tokens_total", 0.0, replica=e["replica"]) for e in reps}
+    reqs, res = load(served, 24, 12, max_tokens=(8, 16), seed=3)
+    s = res.summary()
+    assert s.failed == 0 and s.completed == 24, s.error_samples
+    after = {e["replica"]: scrape(e).value("dspark_generation_tokens_total", 0.0, replica=e["replica"]) for e in reps}
+    delta = {r: after[r] - before[r] for r in after}
+    assert sum(delta.values()) == sum(q.max_tokens for q in reqs)
+    assert all(d > 0 for d in delta.values()), f"the router sent everything to one replica: {delta}"
+    for e in reps:  # each sample carries the replica's own labels
+        m = scrape(e)
+        info = [x for x in m.samples if x.name == "dspark_model_info"]
+        assert info and all(x.labels["replica"] == e["replica"] and x.labels["node"] == e["node_id"][:12]
+                            for x in info)
+    ingress = Metrics(httpx.get(f"{served.base_url}/metrics", timeout=10).text)
+    assert ingress.value("dspark_http_requests_total", route="/v1/completions", status="200") >= 24
+
+
+def test_soak_two_replicas_disconnects_lose_nothing_and_free_every_kv_page(served: ServerHandle) -> None:
+    n = 2000
+    counts = {e["replica"]: scrape(e) for e in replicas(served)}
+    aborts_before = sum(m.value("dspark_requests_finished_total", 0.0, finish_reason="abort") for m in counts.values())
+    reqs, res = load(served, n, 64, disconnect=0.2, seed=11)
+    s = res.summary()
+    plan = disconnect_plan(reqs, 0.2, 11)
+    assert s.num_requests == n and s.failed == 0, (s.errors, s.error_samples)
+    assert s.completed + s.disconnected == n
+    for r, k in zip(res.results, plan, strict=True):
+        if k is None:
+            assert r.ok and r.finish_reason == "length" and r.output_tokens == r.max_tokens, r
+        else:
+            assert r.disconnected and r.chunks == k, r
+    wait_for(lambda: idle(served), 30, "every replica idle with no KV page held")
+    aborts = sum(scrape(e).value("dspark_requests_finished_total", 0.0, finish_reason="abort")
+                 for e in replicas(served))
+    assert aborts > aborts_before, "no hang-up reached a replica while its sequence ran: the abort path went untested"
+    print(f"\ncluster soak: {n} requests in {res.duration_s:.1f} s ({n / res.duration_s:.0f} req/s), "
+          f"{s.completed} completed, {s.disconnected} disconnected ({aborts - aborts_before:.0f} aborted on replicas)")
+
+
+def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(served: ServerHandle) -> None:
+    victim = replicas(served)[0]
+    box: dict[str, Any] = {}
+
+    def go() -> None:
+        box["reqs"], box["res"] = load(served, 160, 16, max_tokens=(24, 48), seed=5)
+
+    t = threading.Thread(target=go)
+    t.start()
+    wait_for(lambda: any(e["replica"] == victim["replica"] and e["stats"]["num_running"] > 0
+                         for e in replicas(served)), 60, "the victim replica to be busy")
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(180)
+    assert not t.is_alive(), "the load never finished: something hung after the replica died"
+    s = box["res"].summary()
+    assert s.completed + s.failed == 160 and s.disconnected == 0
+    assert 1 <= s.failed <= 32, s  # only what had started on the killed replica (its batch is at most 32)
+    assert set(s.errors) == {"stream_error"}, s.errors
+    assert "engine_unavailable" in s.error_samples["stream_error"]
+    for r in box["res"].results:
+        assert (r.ok and r.output_tokens == r.max_tokens) or r.error == "stream_error", r
+    back = wait_for(lambda: [e for e in replicas(served) if e["pid"] != victim["pid"]] if len(replicas(served)) == 2
+                    and all(e["pid"] != victim["pid"] for e in replicas(served)) else None, 120,
+                    "Ray to restart the killed replica")
+    assert len(back) == 2
+    wait_for(lambda: idle(served), 30, "both replicas idle after the kill")
+    _, after = load(served, 8, 4, seed=6)
+    assert after.summary().completed == 8
+
+
+def test_node_leaving_moves_its_replica(served: ServerHandle, cluster: LocalCluster) -> None:
+    reps = replicas(served)
+    head = next(e["node_id"] for e in reps if e["node_id"] != _worker_node(reps, cluster))
+    cluster.nodes[1].leave()
+    cluster.wait_nodes(1)
+    wait_for(lambda: len(replicas(served)) == 2 and all(e["node_id"] == head for e in replicas(served)), 120,
+             "the worker's replica rescheduled on the head node")
+    _, res = load(served, 16, 8, seed=7)
+    assert res.summary().completed == 16
+
+
+def _worker_node(reps: list[dict[str, Any]], cluster: LocalCluster) -> str:
+    """The worker's node id: the node that declares the dspark_worker resource, asked of Ray."""
+    out = subprocess.run([sys.executable, "-c", (
+        "import ray, json; ray.init(address=%r, log_to_driver=False); "
+        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive'] and 'dspark_worker' in n['Resources']]))"
+    ) % cluster.address], capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(ids) == 1 and ids[0] in {e["node_id"] for e in reps}
+    return str(ids[0])
+
