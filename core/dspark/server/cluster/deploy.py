@@ -84,17 +84,29 @@ def serve_cluster(cfg: ServerConfig) -> None:
     cl = cfg.cluster
     host = cfg.server.host
     port = cfg.server.port or _free_port(host)
-    ray.init(address=cl.ray_address, namespace=cl.namespace, log_to_driver=False,
+    # "local": a new Ray of our own, never a stale address another `ray start` left in /tmp/ray.
+    ray.init(address=cl.ray_address or "local", namespace=cl.namespace, log_to_driver=False,
              **({} if cl.ray_address else {"include_dashboard": False}))
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     log.info("Ray cluster joined" if cl.ray_address else "local Ray started", nodes=len(nodes),
              resources=ray.cluster_resources())
+    from ray.serve.context import _get_global_client
+
+    # Serve is one per cluster: whoever starts it owns it (and shuts it down); joining a running one keeps
+    # its HTTP proxy where it is.
+    owns_serve = _get_global_client(raise_if_no_controller_running=False) is None
     serve.start(http_options={"host": host, "port": port})
+    if not owns_serve:
+        root = str(_get_global_client().root_url).rstrip("/")
+        if root != f"http://{host}:{port}":
+            log.warning("Ray Serve already runs on this cluster: its HTTP proxy stays at its own address "
+                        "(server.host/server.port do not apply)", proxy=root)
+            host, port = root.removeprefix("http://").rsplit(":", 1)[0], int(root.rsplit(":", 1)[1])
     try:
         serve.run(build_app(cfg), name=cl.app_name, route_prefix="/", blocking=False)
     except RuntimeError as e:  # a deployment failed to start: say which, with its own error, and clean up
         why = _deployment_errors(cl.app_name) or str(e)
-        _take_down(cfg)
+        _take_down(cfg, owns_serve)
         raise ValueError(f"cluster: the Serve app did not start: {why}") from None
     url = f"http://{host}:{port}"
     log.info(f"DSpark server is listening on {url}", url=url, host=host, port=port, cluster=True,
@@ -109,7 +121,7 @@ def serve_cluster(cfg: ServerConfig) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("Stopping: deleting the Serve app and its replica registry.")
-    _take_down(cfg)
+    _take_down(cfg, owns_serve)
 
 
 def _deployment_errors(app_name: str) -> str:
@@ -124,7 +136,7 @@ def _deployment_errors(app_name: str) -> str:
     return "; ".join(msgs)
 
 
-def _take_down(cfg: ServerConfig) -> None:
+def _take_down(cfg: ServerConfig, owns_serve: bool) -> None:
     import ray
     from ray import serve
 
@@ -136,6 +148,6 @@ def _take_down(cfg: ServerConfig) -> None:
         ray.kill(ray.get_actor(registry_name(cl.app_name), namespace=cl.namespace))
     except Exception as e:  # noqa: BLE001 (already gone: nothing to take down)
         log.warning("cleanup incomplete", error=repr(e))
-    if not cl.ray_address:
+    if owns_serve:
         serve.shutdown()
     ray.shutdown()
