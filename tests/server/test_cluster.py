@@ -4,8 +4,10 @@ A head and a worker node run on this machine's loopback (``ray start --block``
 processes), declaring different resources; the worker is started without the
 npu plugin. The tests run in file order on one deployment: the openai client
 through the ingress, both replicas' own metrics, the soak (2,000 requests, a
-fifth of the clients hanging up), a replica killed mid-load, and last the
-worker node leaving. Everything is bounded in time and stopped by the fixtures.
+fifth of the clients hanging up), a replica killed mid-load, and last a third
+node joining and the worker leaving (its replica moves to the new node). One
+CPU per node and per replica keeps the placement deterministic. Everything is
+bounded in time and stopped by the fixtures.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _free_port() -> int:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path_factory.mktemp("ray"), port=_free_port())
     try:
-        c.start(num_cpus=2, resources={"dspark_head": 1})
+        # One CPU per node and per replica: one replica per node, and a restarted one returns to its node.
+        c.start(num_cpus=1, resources={"dspark_head": 1})
         c.add_node(num_cpus=1, resources={"dspark_worker": 1}, env={"DSPARK_PLUGINS": "no:npu"})
         yield c
     finally:
@@ -213,25 +216,25 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
     assert after.summary().completed == 8
 
 
-def test_node_leaving_moves_its_replica(served: ServerHandle, cluster: LocalCluster) -> None:
-    reps = replicas(served)
-    head = next(e["node_id"] for e in reps if e["node_id"] != _worker_node(reps, cluster))
+def test_node_joining_then_one_leaving_moves_its_replica(served: ServerHandle, cluster: LocalCluster) -> None:
+    cluster.add_node(num_cpus=1, resources={"dspark_spare": 1})  # a node joins: room for one more replica
+    worker, spare, head = (_node_with(r, cluster) for r in ("dspark_worker", "dspark_spare", "dspark_head"))
+    assert {e["node_id"] for e in replicas(served)} == {head, worker}
     cluster.nodes[1].leave()
-    cluster.wait_nodes(1)
-    wait_for(lambda: len(replicas(served)) == 2 and all(e["node_id"] == head for e in replicas(served)), 120,
-             "the worker's replica rescheduled on the head node")
+    cluster.wait_nodes(2)
+    wait_for(lambda: len(reps := replicas(served)) == 2 and {e["node_id"] for e in reps} == {head, spare}, 120,
+             "the departed worker's replica rescheduled on the new node")
     _, res = load(served, 16, 8, seed=7)
     assert res.summary().completed == 16
 
 
-def _worker_node(reps: list[dict[str, Any]], cluster: LocalCluster) -> str:
-    """The worker's node id: the node that declares the dspark_worker resource, asked of Ray."""
+def _node_with(resource: str, cluster: LocalCluster) -> str:
+    """The id of the live node that declares ``resource``, asked of Ray."""
     out = subprocess.run([sys.executable, "-c", (
         "import ray, json; ray.init(address=%r, log_to_driver=False); "
-        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive'] and 'dspark_worker' in n['Resources']]))"
-    ) % cluster.address], capture_output=True, text=True, timeout=60, env=cluster.env)
+        "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive'] and %r in n['Resources']]))"
+    ) % (cluster.address, resource)], capture_output=True, text=True, timeout=60, env=cluster.env)
     assert out.returncode == 0, out.stderr[-2000:]
     ids = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(ids) == 1 and ids[0] in {e["node_id"] for e in reps}
+    assert len(ids) == 1, ids
     return str(ids[0])
-

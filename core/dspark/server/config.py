@@ -182,6 +182,8 @@ class ClusterSection(_Section):
         "the least loaded one's by more than this")
     max_ongoing_requests: int = Field(64, ge=1, description="sequences one replica accepts at once (Ray Serve "
                                       "queues the rest at the router)")
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the OpenAI ingress (each with a router of its "
+                                  "own; they share the replicas' reported load)")
     app_name: str = Field("dspark", min_length=1)
     namespace: str = Field("dspark", min_length=1, description="Ray namespace of the app and its actors")
 

@@ -65,7 +65,7 @@ def build_app(cfg: ServerConfig) -> Any:
     raw = cfg.model_dump(mode="json", exclude_unset=True)  # unset stays unset (engine defaults)
     engine = serve.deployment(EngineReplica).options(**engine_options(cfg)).bind(raw, replica_threads(cfg))
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
-        name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        name="Ingress", num_replicas=cfg.cluster.ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000)  # the replicas' routers queue; the ingress never should
     return ingress.bind(engine, raw)
 

@@ -15,6 +15,7 @@ routes turn into an OpenAI error.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -72,6 +73,27 @@ def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
         spec_drafter_failures=total["spec_drafter_failures"], spec_explore_steps=total["spec_explore_steps"])
 
 
+class Rebuild:
+    """The cumulative outputs the routes expect, from a replica's compact ones (``replica.compact``)."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids, self.tokens, self.logprobs, self.text = prompt_ids, [], [], ""
+        self.prompt_logprobs: Any = None
+
+    def __call__(self, start: int, o: RequestOutput) -> RequestOutput:
+        del self.tokens[start:]
+        self.tokens.extend(o.token_ids)
+        if o.logprobs is not None:
+            del self.logprobs[start:]
+            self.logprobs.extend(o.logprobs)
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
+        self.text = o.text if o.finished else self.text + o.delta
+        return dataclasses.replace(o, token_ids=list(self.tokens), text=self.text, prompt_token_ids=self.prompt_ids,
+                                   logprobs=list(self.logprobs) if o.logprobs is not None else None,
+                                   prompt_logprobs=self.prompt_logprobs)
+
+
 class RemoteAsyncEngine:
     """``AsyncLLMEngine``'s surface over a Ray Serve handle to the engine replicas."""
 
@@ -106,9 +128,11 @@ class RemoteAsyncEngine:
         for attempt in range(RETRIES + 1):
             stream = self.handle.generate.remote(info, seq.prompt_ids, params, rid, priority)
             started = finished = False
+            rebuild = Rebuild(seq.prompt_ids)
             try:
                 async for batch in stream:
-                    for out in batch:
+                    for start, part in batch:
+                        out = rebuild(start, part)
                         started = True
                         finished = out.finished
                         yield out

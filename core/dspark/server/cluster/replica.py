@@ -10,6 +10,7 @@ of its own, listed by the app's registry for Prometheus' HTTP service discovery.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,6 +44,19 @@ class _Labelled(Collector):
             for s in fam.samples:
                 out.add_sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp, s.exemplar)
             yield out
+
+
+def compact(o: RequestOutput, start: int, first: bool) -> RequestOutput:
+    """Only what is new since token ``start`` (what the ingress already has); :func:`.frontend.Rebuild` undoes it.
+
+    The engine's outputs are cumulative (every token and the whole text so far, the prompt each time):
+    sent as they are, a sequence's messages would grow with its length and cost O(n^2) bytes in all.
+    """
+    return dataclasses.replace(
+        o, token_ids=list(o.token_ids[start:]), text=o.text if o.finished else "",
+        prompt_token_ids=o.prompt_token_ids if first else [],
+        logprobs=list(o.logprobs[start:]) if o.logprobs is not None else None,
+        prompt_logprobs=o.prompt_logprobs if first else None)
 
 
 class EngineReplica:
@@ -109,8 +123,9 @@ class EngineReplica:
         return {OUTSTANDING: self.outstanding, "running": s.num_running, "waiting": s.num_waiting}
 
     async def generate(self, info: RouteInfo, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[list[RequestOutput]]:
-        """Stream one sequence's outputs, several per item when they come faster than the ingress takes them."""
+                       priority: int = 0) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Stream one sequence's outputs as ``(start, compact(output))``, several per item when they come faster
+        than the ingress takes them."""
         self.outstanding += info.work_tokens
         timer = self.metrics.sequence(len(prompt_ids))
         q: asyncio.Queue[Any] = asyncio.Queue()
@@ -125,14 +140,19 @@ class EngineReplica:
                 q.put_nowait(_END)
 
         task = asyncio.create_task(pump())
+        sent, first = 0, True
         try:
             while True:
                 items = [await q.get()]
                 while not q.empty():
                     items.append(q.get_nowait())
-                outs = [i for i in items if isinstance(i, RequestOutput)]
-                for o in outs:
-                    timer.update(o)
+                outs = []
+                for o in items:
+                    if isinstance(o, RequestOutput):
+                        timer.update(o)
+                        start = min(sent, len(o.token_ids))  # an engine that took tokens back resends from there
+                        outs.append((start, compact(o, start, first)))
+                        sent, first = len(o.token_ids), False
                 if outs:
                     yield outs
                 err = next((i for i in items if isinstance(i, BaseException)), None)
