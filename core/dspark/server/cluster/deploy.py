@@ -86,7 +86,7 @@ def serve_cluster(cfg: ServerConfig) -> None:
     port = cfg.server.port or _free_port(host)
     # "local": a new Ray of our own, never a stale address another `ray start` left in /tmp/ray.
     ray.init(address=cl.ray_address or "local", namespace=cl.namespace, log_to_driver=False,
-             **({} if cl.ray_address else {"include_dashboard": False}))
+             include_dashboard=None if cl.ray_address else False)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     log.info("Ray cluster joined" if cl.ray_address else "local Ray started", nodes=len(nodes),
              resources=ray.cluster_resources())
@@ -97,7 +97,8 @@ def serve_cluster(cfg: ServerConfig) -> None:
     owns_serve = _get_global_client(raise_if_no_controller_running=False) is None
     serve.start(http_options={"host": host, "port": port})
     if not owns_serve:
-        root = str(_get_global_client().root_url).rstrip("/")
+        client = _get_global_client()
+        root = str(client.root_url if client is not None else f"http://{host}:{port}").rstrip("/")
         if root != f"http://{host}:{port}":
             log.warning("Ray Serve already runs on this cluster: its HTTP proxy stays at its own address "
                         "(server.host/server.port do not apply)", proxy=root)

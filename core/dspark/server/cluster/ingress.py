@@ -25,7 +25,7 @@ log = get_logger("dspark.server.cluster")
 class Ingress:
     """Wrapped by ``serve.ingress()`` (late-bound app) and ``serve.deployment`` in :mod:`.deploy`."""
 
-    async def __init__(self, engine: Any, cfg: dict[str, Any]) -> None:
+    async def __init__(self, engine: Any, cfg: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
         from dspark.server.app import ServerState, create_app
         from dspark.server.cluster.frontend import EngineFront, RemoteAsyncEngine
         from dspark.server.cluster.registry import get_registry
