@@ -188,6 +188,7 @@ def test_soak_two_replicas_disconnects_lose_nothing_and_free_every_kv_page(serve
 
 def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(served: ServerHandle) -> None:
     victim = replicas(served)[0]
+    tokens_before = scrape(victim).value("dspark_generation_tokens_total", 0.0)
     box: dict[str, Any] = {}
 
     def go() -> None:
@@ -195,14 +196,16 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
 
     t = threading.Thread(target=go)
     t.start()
-    wait_for(lambda: any(e["replica"] == victim["replica"] and e["stats"]["num_running"] > 0
-                         for e in replicas(served)), 60, "the victim replica to be busy")
+    # Killed once its sequences are streaming (not all still in prefill, which would be sent again instead).
+    wait_for(lambda: scrape(victim).value("dspark_generation_tokens_total", 0.0) >= tokens_before + 60, 60,
+             "the victim replica to stream tokens")
     os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
     t.join(180)
     assert not t.is_alive(), "the load never finished: something hung after the replica died"
     s = box["res"].summary()
     assert s.completed + s.failed == 160 and s.disconnected == 0
-    assert 1 <= s.failed <= 32, s  # only what had started on the killed replica (its batch is at most 32)
+    assert 2 <= s.failed <= 16, s  # only what had started streaming on the killed replica
     assert set(s.errors) == {"stream_error"}, s.errors
     assert "engine_unavailable" in s.error_samples["stream_error"]
     for r in box["res"].results:
@@ -211,7 +214,10 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
                     and all(e["pid"] != victim["pid"] for e in replicas(served)) else None, 120,
                     "Ray to restart the killed replica")
     assert len(back) == 2
+    restarted_s = time.monotonic() - killed_at
     wait_for(lambda: idle(served), 30, "both replicas idle after the kill")
+    print(f"\nreplica killed under 16 clients: {s.failed} streams failed (engine_unavailable), {s.completed} "
+          f"completed; replica back after {restarted_s:.0f} s")
     _, after = load(served, 8, 4, seed=6)
     assert after.summary().completed == 8
 
@@ -220,10 +226,12 @@ def test_node_joining_then_one_leaving_moves_its_replica(served: ServerHandle, c
     cluster.add_node(num_cpus=1, resources={"dspark_spare": 1})  # a node joins: room for one more replica
     worker, spare, head = (_node_with(r, cluster) for r in ("dspark_worker", "dspark_spare", "dspark_head"))
     assert {e["node_id"] for e in replicas(served)} == {head, worker}
+    t0 = time.monotonic()
     cluster.nodes[1].leave()
     cluster.wait_nodes(2)
     wait_for(lambda: len(reps := replicas(served)) == 2 and {e["node_id"] for e in reps} == {head, spare}, 120,
              "the departed worker's replica rescheduled on the new node")
+    print(f"\nworker node left: its replica serving again on the new node after {time.monotonic() - t0:.0f} s")
     _, res = load(served, 16, 8, seed=7)
     assert res.summary().completed == 16
 
