@@ -40,6 +40,28 @@ def test_a_burst_spreads_when_counted_at_choice() -> None:
     assert book.inflight == {"a": 120, "b": 200}
 
 
+def test_a_choice_never_sent_is_released_after_its_ttl() -> None:
+    book = TokenLoad(unconfirmed_ttl_s=30)
+    info = route_info("r", [1] * 10, 10, affinity=False)
+    book.chosen("r", "a", info, sent=False, now=0.0)
+    book.chosen("s", "a", info, sent=False, now=0.0)
+    book.chosen("s", "a", info)  # s was sent: confirmed, kept until it completes
+    book._expire(now=10.0)
+    assert book.inflight == {"a": 40}
+    book._expire(now=31.0)  # r waited at the router and was cancelled: never sent, never completed
+    assert book.inflight == {"a": 20}
+    book.release("s")
+    assert book.inflight == {}
+
+
+def test_prefix_hashes_are_chained_per_page() -> None:
+    a = route_info("a", list(range(64)), 1, affinity=True).prefix_hashes
+    b = route_info("b", list(range(48)) + [0] * 16, 1, affinity=True).prefix_hashes
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
+    c = route_info("c", [5] + list(range(1, 64)), 1, affinity=True).prefix_hashes
+    assert not set(a) & set(c)  # a different first page changes every later hash
+
+
 def test_prefix_affinity_follows_the_conversation_until_overloaded() -> None:
     book = TokenLoad(affinity=True, slack_tokens=100)
     turn1 = list(range(40))

@@ -88,15 +88,39 @@ def _observability(cfg: ServerConfig, engine: Any) -> Any:
     return Observability(access_log=o.access_log, stats_log_interval_s=o.stats_log_interval_s, tracer=tracer)
 
 
+def load_engine(cfg: ServerConfig) -> tuple[Any, Any, str | None]:
+    """Load the model, log what runs it, build its metrics: ``(AsyncLLMEngine, ServerMetrics, spec strategy)``.
+
+    The single-process server and every cluster replica build their engine here; torch's threads are set first.
+    """
+    import torch
+
+    from dspark.llm import AsyncLLMEngine
+    from dspark.server.metrics import ServerMetrics
+
+    path = cfg.model_path()
+    log.info(f"Loading model from {path}", path=str(path), dtype=cfg.model.dtype,
+             torch_threads=torch.get_num_threads(), gpu_memory_utilization=cfg.resources.gpu_memory_utilization)
+    t0 = time.perf_counter()
+    engine = AsyncLLMEngine.from_pretrained(path, dtype=cfg.model.dtype, config=cfg.engine_config())
+    eng = engine.engine
+    dt = time.perf_counter() - t0
+    log.info(f"Model loaded in {dt:.1f}s.", seconds=round(dt, 3), model=cfg.served_name(),
+             max_model_len=eng.max_model_len, kv_cache_tokens=eng.cache.allocator.num_pages * eng.cache.page_size,
+             kv_cache_bytes=eng.stats().kv_total_bytes)
+    strategy = _log_scheduler(cfg, getattr(eng, "spec", None))
+    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy)
+    metrics.instrument_engine(engine)
+    return engine, metrics, strategy
+
+
 def serve(cfg: ServerConfig) -> None:
     """Load the model and serve until SIGINT/SIGTERM (uvicorn then drains and runs the app's shutdown)."""
     import torch
     import uvicorn
 
-    from dspark.llm import AsyncLLMEngine
     from dspark.server.app import ServerState, create_app
     from dspark.server.protocol.chat_template import ChatTemplate
-    from dspark.server.metrics import ServerMetrics
 
     res = cfg.resources
     if res.cpu_cores_per_worker is not None:
@@ -108,18 +132,8 @@ def serve(cfg: ServerConfig) -> None:
                         requested=res.cpu_cores_per_worker, usable=usable, threads=threads)
         torch.set_num_threads(threads)
     path = cfg.model_path()
-    log.info(f"Loading model from {path}", path=str(path), dtype=cfg.model.dtype,
-             torch_threads=torch.get_num_threads(), gpu_memory_utilization=res.gpu_memory_utilization)
-    t0 = time.perf_counter()
-    engine = AsyncLLMEngine.from_pretrained(path, dtype=cfg.model.dtype, config=cfg.engine_config())
+    engine, metrics, _ = load_engine(cfg)
     eng = engine.engine
-    dt = time.perf_counter() - t0
-    log.info(f"Model loaded in {dt:.1f}s.", seconds=round(dt, 3), model=cfg.served_name(),
-             max_model_len=eng.max_model_len, kv_cache_tokens=eng.cache.allocator.num_pages * eng.cache.page_size,
-             kv_cache_bytes=eng.stats().kv_total_bytes)
-    strategy = _log_scheduler(cfg, getattr(eng, "spec", None))
-    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy)
-    metrics.instrument_engine(engine)
     obs = _observability(cfg, engine)
 
     host = cfg.server.host

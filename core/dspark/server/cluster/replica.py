@@ -66,21 +66,15 @@ class EngineReplica:
         import torch
         from prometheus_client import start_http_server
 
-        from dspark.llm import AsyncLLMEngine
         from dspark.server.config import ServerConfig
-        from dspark.server.launch import _log_scheduler
-        from dspark.server.metrics import ServerMetrics
+        from dspark.server.launch import load_engine
         from dspark.server.protocol.chat_template import ChatTemplate
 
         self.cfg = c = ServerConfig.model_validate(cfg)
         torch.set_num_threads(max(1, threads))
         path = c.model_path()
         t0 = time.perf_counter()
-        self.engine = AsyncLLMEngine.from_pretrained(path, dtype=c.model.dtype, config=c.engine_config())
-        eng = self.engine.engine
-        self.strategy = _log_scheduler(c, getattr(eng, "spec", None))
-        self.metrics = ServerMetrics(self.engine, model_name=c.served_name(), spec_strategy=self.strategy)
-        self.metrics.instrument_engine(self.engine)
+        self.engine, self.metrics, self.strategy = load_engine(c)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -40,7 +40,7 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
         info = self._info(pending_request)
         ranked = self.book.rank(by_id, info, reported)
         if pending_request is not None:  # count it now: a burst routed together must spread out
-            self.book.chosen(pending_request.metadata.internal_request_id, ranked[0], info)
+            self.book.chosen(pending_request.metadata.internal_request_id, ranked[0], info, sent=False)
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -18,6 +18,7 @@ router counts.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,22 +37,30 @@ class RouteInfo:
 
 
 def route_info(request_id: str, prompt_ids: Sequence[int], max_tokens: int, *, affinity: bool) -> RouteInfo:
-    hashes: tuple[int, ...] = ()
+    hashes: list[int] = []
     if affinity:
-        pages = min(len(prompt_ids) // PREFIX_PAGE, PREFIX_PAGES)
-        # hash() of a tuple of ints is the same in every process (only str/bytes hashing is salted).
-        hashes = tuple(hash(tuple(prompt_ids[:k * PREFIX_PAGE])) for k in range(1, pages + 1))
-    return RouteInfo(request_id, len(prompt_ids) + max_tokens, hashes)
+        h = 0
+        for k in range(min(len(prompt_ids) // PREFIX_PAGE, PREFIX_PAGES)):
+            # Chained page by page: the hash of the first k pages, in O(prompt) in all. hash() of ints and
+            # tuples of ints is the same in every process (only str/bytes hashing is salted).
+            h = hash((h, tuple(prompt_ids[k * PREFIX_PAGE:(k + 1) * PREFIX_PAGE])))
+            hashes.append(h)
+    return RouteInfo(request_id, len(prompt_ids) + max_tokens, tuple(hashes))
 
 
 class TokenLoad:
     """Outstanding tokens per replica, and which replica last served each prompt prefix."""
 
-    def __init__(self, *, affinity: bool = False, slack_tokens: int = 2048, table_size: int = 100_000) -> None:
+    def __init__(self, *, affinity: bool = False, slack_tokens: int = 2048, table_size: int = 100_000,
+                 unconfirmed_ttl_s: float = 60.0) -> None:
         self.affinity, self.slack, self.table_size = affinity, slack_tokens, table_size
         self.inflight: dict[Hashable, int] = {}
         self._requests: dict[str, tuple[Hashable, int]] = {}  # request key -> (replica, tokens)
         self._prefixes: OrderedDict[int, Hashable] = OrderedDict()  # prefix hash -> replica, LRU order
+        # Chosen but not (yet) sent: a request cancelled while it waited at the router is never sent, so it
+        # never completes either; its count is dropped after unconfirmed_ttl_s.
+        self._unconfirmed: dict[str, float] = {}
+        self.unconfirmed_ttl_s = unconfirmed_ttl_s
 
     def load(self, replica: Hashable, reported: dict[Hashable, int]) -> int:
         return max(self.inflight.get(replica, 0), reported.get(replica, 0))
@@ -60,6 +69,7 @@ class TokenLoad:
              reported: dict[Hashable, int] | None = None) -> list[Hashable]:
         """``candidates`` best first: least loaded, or the prefix's replica while it is not overloaded."""
         reported = reported or {}
+        self._expire()
         ranked = sorted(candidates, key=lambda r: (self.load(r, reported), str(r)))
         if not ranked or info is None or not self.affinity:
             return ranked
@@ -73,9 +83,15 @@ class TokenLoad:
                 break
         return ranked
 
-    def chosen(self, key: str, replica: Hashable, info: RouteInfo | None) -> None:
-        """Count ``key``'s tokens against ``replica`` (moved there if it was counted elsewhere)."""
+    def chosen(self, key: str, replica: Hashable, info: RouteInfo | None, *, sent: bool = True,
+               now: float | None = None) -> None:
+        """Count ``key``'s tokens against ``replica`` (moved there if it was counted elsewhere).
+
+        ``sent=False``: only picked so far; released after ``unconfirmed_ttl_s`` unless sent by then.
+        """
         self.release(key)
+        if not sent:
+            self._unconfirmed[key] = time.monotonic() if now is None else now
         tokens = info.work_tokens if info is not None else 1
         self._requests[key] = (replica, tokens)
         self.inflight[replica] = self.inflight.get(replica, 0) + tokens
@@ -86,7 +102,13 @@ class TokenLoad:
             while len(self._prefixes) > self.table_size:
                 self._prefixes.popitem(last=False)
 
+    def _expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for key in [k for k, t in self._unconfirmed.items() if now - t > self.unconfirmed_ttl_s]:
+            self.release(key)
+
     def release(self, key: str) -> None:
+        self._unconfirmed.pop(key, None)
         held = self._requests.pop(key, None)
         if held is not None:
             replica, tokens = held
@@ -101,5 +123,6 @@ class TokenLoad:
         self.inflight.pop(replica, None)
         for key in [k for k, (r, _) in self._requests.items() if r == replica]:
             del self._requests[key]
+            self._unconfirmed.pop(key, None)
         for h in [h for h, r in self._prefixes.items() if r == replica]:
             del self._prefixes[h]
