@@ -49,18 +49,10 @@ from dspark.server.cluster.local import LocalCluster
 from dspark.server.loadgen.bench import BenchRequest, LoadConfig, default_workload, run
 from dspark.server.loadgen.stats import Summary
 from dspark.server.loadgen.sweep import ServerProcess, free_port
+from serve import check  # benchmarks/serve.py: every request completed with exactly its max_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = ("2x1", "1x2", "single")
-
-
-def check(name: str, s: Summary) -> list[str]:
-    bad = []
-    if s.failed or s.completed != s.num_requests:
-        bad.append(f"{name}: {s.completed}/{s.num_requests} completed, errors {s.errors} {s.error_samples}")
-    if s.length_mismatches or set(s.finish_reasons) - {"length"}:
-        bad.append(f"{name}: finish reasons {s.finish_reasons}, {s.length_mismatches} with the wrong token count")
-    return bad
 
 
 def server_config(out: Path, name: str, kv_tokens: int, max_batch: int) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -19,16 +20,20 @@ from dspark.llm.runner.model import ModelRunner
 README_PROMPT = "def quick_sort(arr):"
 
 
-def _repeat_run(text: str) -> int:
-    """Longest run of one identical non-blank line."""
-    best = run = 0
-    prev = None
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        run = run + 1 if line == prev else 1
-        prev, best = line, max(best, run)
-    return best
+def _load_script_helper(name: str) -> Any:
+    """A function of scripts/train_default_model.py: the card's figures and this test use the same one."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("train_default_model", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+_repeat_run = _load_script_helper("repeat_run")  # longest run of one identical non-blank line
 
 
 @pytest.fixture(scope="module")
