@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (pip install 'dspark[
 from dspark.llm import SamplingParams  # noqa: E402
 from dspark.server.cluster.local import LocalCluster  # noqa: E402
 from dspark.server.loadgen.bench import LoadConfig, default_workload, disconnect_plan, run  # noqa: E402
+from dspark.server.loadgen.sweep import free_port  # noqa: E402
 
 from conftest import DEFAULT_CONFIG, MODEL_NAME, Metrics, ServerHandle, _merge, start_server  # noqa: E402
 
@@ -39,15 +39,9 @@ PROMPT = "def quick_sort(arr):"
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("ray"), port=_free_port())
+    c = LocalCluster(tmp_path_factory.mktemp("ray"), port=free_port())
     try:
         # One CPU per node and per replica: one replica per node, and a restarted one returns to its node.
         c.start(num_cpus=1, resources={"dspark_head": 1})

@@ -149,9 +149,6 @@ class RemoteAsyncEngine:
                 if not finished:
                     stream.cancel()  # the consumer went away (or the replica did): stop it there, free its KV
 
-    async def abort(self, request_id: str) -> None:
-        """Sequences are aborted by closing their stream (the replica's call is cancelled)."""
-
     def stats(self) -> EngineStats:
         return _sum_stats(self.replicas)
 
