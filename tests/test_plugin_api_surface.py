@@ -18,7 +18,8 @@ import dspark.sdk
 
 ROOT = Path(__file__).resolve().parents[1]
 HARDWARE = ("dspark_plugins_cpu", "dspark_plugins_cuda", "dspark_plugins_npu")
-PUBLIC = frozenset({"dspark", "dspark.hookspecs", "dspark.types", "dspark.graph", "dspark.sdk", "dspark.testing"})
+PUBLIC = frozenset({"dspark", "dspark.hookspecs", "dspark.types", "dspark.graph", "dspark.sdk", "dspark.sdk.decoder",
+                    "dspark.testing"})
 ROLES = ("probe.py", "support.py", "bidding.py", "executable.py", "quantize.py")
 
 

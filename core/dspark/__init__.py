@@ -13,6 +13,7 @@ from dspark.hookspecs import API_VERSION, hookimpl, hookspec
 from dspark.types import (
     TOLERANCES,
     Bid,
+    DecoderBid,
     Device,
     Draft,
     Drafter,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "API_VERSION", "TOLERANCES", "Bid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
+    "API_VERSION", "TOLERANCES", "Bid", "DecoderBid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
     "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
     "QuantPlan", "QuantSpec", "QuantizationConfig", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
     "__version__", "import_jax", "optimize_model",

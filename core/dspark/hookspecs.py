@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.5).
+"""The dspark plugin contract (API version 1.6).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.5"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.6"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -12,7 +12,9 @@ a plugin imports nothing else from dspark. API 1.4 added :mod:`dspark.sdk` as th
 declared surface (the 1.3 module names ``dspark.cost``, ``quant``, ``cache``,
 ``calibration``, ``hostinfo`` and ``log`` still work). API 1.5 added control flow
 to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
-:mod:`dspark.graph`.
+:mod:`dspark.graph`. API 1.6 added whole-decoder targets for the LLM engine:
+``dspark_decoder_bid`` and ``dspark_compile_decoder``, with their types in
+:mod:`dspark.sdk.decoder`.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -22,7 +24,8 @@ shows status ``failed`` and the reason), left out of every later call, and the
 run goes on. Returning ``None`` always means "abstain". Setting
 ``DSPARK_TRACE=1`` logs every call with its plugin, duration and outcome.
 
-Device-scoped hooks (``dspark_bid``, ``dspark_compile``, ``dspark_quantize``)
+Device-scoped hooks (``dspark_bid``, ``dspark_compile``, ``dspark_quantize``,
+``dspark_decoder_bid``, ``dspark_compile_decoder``)
 are only ever called with a :class:`~dspark.types.Device` that the same plugin
 returned from its own ``dspark_probe_devices``.
 """
@@ -35,8 +38,10 @@ import pluggy
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
+    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
     from dspark.types import (
         Bid,
+        DecoderBid,
         Device,
         DrafterSpec,
         Executable,
@@ -46,7 +51,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.5"
+API_VERSION = "1.6"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -194,6 +199,57 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
     """
 
 
+@hookspec
+def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | None:
+    """Offer to run the LLM engine's whole decoder (or ``decoder.layers``, a range of it) on ``device``.
+
+    When: once per engine start with ``decoder="auto"`` (the default) or a
+    target naming this plugin, for each device the plugin reported; and by
+    ``dspark devices --decoders MODEL``. Since API 1.6.
+
+    :param decoder: the model (config, ``features`` it needs beyond a plain
+        Llama decoder, ``dtype`` the engine computes in, ``quantization`` plan if
+        any) and the layer range asked for; ``decoder.weights()`` gives the
+        weights but bidding should not need them.
+    :param device: one of the plugin's own devices.
+
+    Return a :class:`~dspark.sdk.decoder.DecoderBid`: the runtime, the KV block
+    size it needs (or None for any), the memory it will take (weights, KV per
+    token), whether it runs early exits; or one with ``declined`` set to say
+    why not (``DecoderSpec.unsupported`` names missing features), or ``None``
+    to abstain silently. A bid is a promise: ``dspark_compile_decoder`` must then
+    succeed and its logits match the torch reference's (the engine checks on a
+    probe step before trusting it). No latency is asked: the engine times every
+    bidder's compiled decoder at its real step shapes (decode at batch 1, 8 and
+    32, a prefill chunk, a k=8 verification), caches the timings per runtime
+    version and model fingerprint, and runs the model where they are lowest.
+
+    Combining: all plugins are called; every bid is kept and compared with the
+    built-in torch runner's.
+    """
+
+
+@hookspec
+def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> CompiledDecoder | None:
+    """Compile the decoder (range) this plugin bid on, for ``device``.
+
+    When: for each bid being timed, and for the winner at engine start. The
+    same spec may be compiled more than once per process (cache what you can).
+
+    Return a :class:`~dspark.sdk.decoder.CompiledDecoder`: ``block_size``,
+    ``allocate(num_blocks)`` (KV memory on the device, in the engine's blocks)
+    and ``step(kv, batch)`` (one :class:`~dspark.sdk.decoder.StepBatch`; logits
+    of ``batch.logit_rows``, or the hidden state for a range that stops early).
+    ``None`` is a broken promise and is reported as one. Steps run in the
+    engine's thread, outside this hook's timeout; a step that raises or hangs is
+    charged to the plugin and the engine moves the model to its next target,
+    recomputing the sequences' KV there.
+
+    Combining: only the plugin whose bid is being timed or has won is called.
+    """
+
+
 HOOK_NAMES: tuple[str, ...] = (
     "dspark_probe_devices", "dspark_bid", "dspark_compile", "dspark_quantize", "dspark_drafters",
+    "dspark_decoder_bid", "dspark_compile_decoder",
 )

@@ -119,6 +119,28 @@ class Bid(_Strict):
     note: str = ""
 
 
+class DecoderBid(_Strict):
+    """A plugin's offer to compile a decoder spec (:class:`dspark.sdk.decoder.DecoderSpec`) for one of its devices; ``declined`` says why it will not.
+
+    Bidding is a promise: a plugin that bids must compile and produce the torch reference's
+    logits (within float rounding), or decline. The engine measures each bid's compiled
+    decoder at its real step shapes before choosing, so no latency is asked for here.
+    """
+
+    plugin: str = Field("", description="Filled in by the core.")
+    device_id: str
+    runtime: str = Field(min_length=1, description="e.g. 'openvino/CPU' or 'onnxruntime/CPUExecutionProvider'")
+    runtime_version: str = ""
+    precision: str = Field("float32", description="What the weights compute in.")
+    kv_dtype: str = "float32"
+    block_size: int | None = Field(None, ge=1, description="KV block size it needs; None: any the engine picks.")
+    weight_bytes: int = Field(0, ge=0, description="Device memory for the weights of the range.")
+    kv_bytes_per_token: int = Field(0, ge=0, description="Device memory per cached token, all layers of the range.")
+    exit_layers: bool = Field(False, description="Runs StepBatch.exit_layer (self-drafting's early exit).")
+    declined: str | None = Field(None, description="Set when the plugin will not run this spec: why.")
+    note: str = ""
+
+
 class PluginStatus(str, Enum):
     ACTIVE = "active"
     NO_HARDWARE = "no hardware"

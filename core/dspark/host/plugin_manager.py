@@ -32,7 +32,7 @@ from dspark.host.faults import FaultLedger, describe, scope_of
 from dspark.host.log import get_logger
 from dspark.host.settings import PluginSettings
 from dspark.types import (
-    Bid, Device, DrafterSpec, Executable, FaultScope, HardwareUnavailable, PluginFault, PluginRecord,
+    Bid, DecoderBid, Device, DrafterSpec, Executable, FaultScope, HardwareUnavailable, PluginFault, PluginRecord,
     PluginStatus, Unavailable,
 )
 
@@ -389,6 +389,19 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
             if not isinstance(raw, Subgraph) or raw.quantized_by != plugin:
                 raise PluginError(f"plugin {plugin!r}: dspark_quantize must return a Subgraph with "
                                   f"quantized_by={plugin!r}, got {_summary(raw, 80)}")
+            return raw
+        if hook == "dspark_decoder_bid":
+            dbid = DecoderBid.model_validate(raw)
+            dbid.plugin = plugin
+            if dbid.device_id != kwargs["device"].id:
+                raise PluginError(f"plugin {plugin!r}: dspark_decoder_bid returned a bid for device "
+                                  f"{dbid.device_id!r} when asked about {kwargs['device'].id!r}")
+            return dbid
+        if hook == "dspark_compile_decoder":
+            if not (isinstance(getattr(raw, "block_size", None), int) and callable(getattr(raw, "allocate", None))
+                    and callable(getattr(raw, "step", None))):
+                raise PluginError(f"plugin {plugin!r}: dspark_compile_decoder returned {type(raw).__name__}, "
+                                  "which lacks block_size, allocate(num_blocks) or step(kv, batch)")
             return raw
         if hook == "dspark_drafters":
             specs = _DRAFTERS.validate_python(raw)

@@ -13,6 +13,8 @@ DEFAULT_TIMEOUTS_S: dict[str, float] = {
     "dspark_compile": 600.0,
     "dspark_quantize": 600.0,
     "dspark_drafters": 60.0,
+    "dspark_decoder_bid": 60.0,
+    "dspark_compile_decoder": 600.0,  # builds and compiles a whole model
 }
 
 
