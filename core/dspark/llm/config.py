@@ -22,6 +22,8 @@ and ``dspark convert --quantization``. Methods:
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -221,6 +223,12 @@ class EngineConfig(BaseModel):
     dense_offload: str = Field(
         "off", description="prefill MLP through another plugin's compiled executable: 'off', 'auto' (when its "
         "bid beats torch's by a margin) or a plugin name to force it")
+    decoder: str = Field(
+        default_factory=lambda: os.environ.get("DSPARK_DECODER", "auto"),
+        description="what runs the decoder: 'auto' = the plugins' compiled decoders bid (dspark_decoder_bid) "
+        "and the one measured fastest at the engine's step shapes runs, the built-in torch runner being one "
+        "contender and the fallback; 'torch' = the built-in runner only; or 'PLUGIN' / 'PLUGIN@DEVICE' to "
+        "run on that plugin's decoder (docs/decoders.md); the default is $DSPARK_DECODER or 'auto'")
     speculative: SpeculativeConfig = Field(
         default_factory=lambda: SpeculativeConfig(enabled=False), alias="speculative_decoding",
         description="speculative decoding; a dict of SpeculativeConfig fields, or true/false")
@@ -228,3 +236,12 @@ class EngineConfig(BaseModel):
         None, alias="quantization_config", description="mixed-precision quantization at load (calibrates first): "
         "a QuantizationConfig dict or a scheme name (int8, int4, int8_mixed, int4_mixed); None = as the checkpoint "
         "is (an optimized directory from `dspark convert` carries its own plan)")
+
+    @field_validator("decoder")
+    @classmethod
+    def _check_decoder(cls, v: str) -> str:
+        import re
+
+        if v not in ("auto", "torch") and not re.fullmatch(r"[A-Za-z0-9_.-]+(@[a-z0-9_]+(:[0-9]+)?)?", v):
+            raise ValueError(f"decoder must be 'auto', 'torch', 'PLUGIN' or 'PLUGIN@DEVICE' (e.g. 'cpu@cpu'), got {v!r}")
+        return v

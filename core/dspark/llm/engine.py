@@ -136,10 +136,10 @@ class LLMEngine:
             devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
             self.dense_offload, self.dense_offload_decision = setup_dense_offload(
                 self.runner, cfg.dense_offload, layer_devices=devs, host=self.plugin_host, inv=self.inventory)
-        from dspark.llm.runner.packed_linear import pack_runner
+        from dspark.llm.decoding.setup import setup_runner
 
-        self.packed_linear = pack_runner(self.runner, cfg.packed_linear)  # after quantization: float ones only
-        self.cache = self.runner.make_cache(num_pages, cfg.page_size)
+        self.packed_linear, self.decoder_choice, page = setup_runner(self)  # what runs the decoder, and why
+        self.cache = self.runner.make_cache(-(-total // page), page)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
         self.eos_ids = set(mcfg.eos_token_ids)

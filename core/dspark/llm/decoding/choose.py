@@ -1,0 +1,200 @@
+"""Which target runs the engine's decoder: the plugins bid, the engine measures, the fastest runs.
+
+Every device-driving plugin is asked ``dspark_decoder_bid`` for every device it
+reported. Bids that fit the device's memory are compiled, checked against the
+torch runner on a short probe scenario (a bid is a promise: a decoder whose
+logits are wrong is charged to its plugin and dropped), and timed with the
+torch runner at the engine's step shapes (timing.py). Timings are cached on
+disk per model fingerprint, runtime version and threads, so a warm start only
+compiles and checks the winner. The ranked list is the failover order; the
+torch runner is always its last entry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dspark.host import cache as disk
+from dspark.host.log import get_logger
+from dspark.llm.decoding.conformance import compare
+from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
+from dspark.llm.decoding.spec import make_spec
+from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
+
+if TYPE_CHECKING:
+    from dspark.host.inventory import Inventory
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.llm.config import EngineConfig
+    from dspark.llm.runner.model import ModelRunner
+    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
+    from dspark.types import DecoderBid, Device
+
+log = get_logger("dspark.llm.decoder")
+_NAMESPACE = "decoder-timings-v1"
+_CONTEXT = 128  # tokens each timed sequence holds
+
+
+@dataclass
+class DecoderChoice:
+    """What runs the model and why: every bid (declined ones with their reason), the timings, the winner."""
+
+    chosen: str
+    reason: str
+    ranked: list[dict[str, Any]] = field(default_factory=list)  # label, runtime, score, step_ms, best first
+    declined: list[dict[str, str]] = field(default_factory=list)  # label, reason
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "reason": self.reason, "ranked": self.ranked, "declined": self.declined,
+                "seconds": round(self.seconds, 3)}
+
+
+def _wanted(choice: str, bid: DecoderBid) -> bool:
+    if choice == "auto":
+        return True
+    plugin, _, device = choice.partition("@")
+    return bid.plugin == plugin and (not device or bid.device_id == device)
+
+
+def _fits(bid: DecoderBid, device: Device, max_tokens: int) -> str | None:
+    need = bid.weight_bytes + bid.kv_bytes_per_token * max_tokens
+    free = device.memory_free_bytes
+    if free is not None and need > free:
+        return f"needs {need / 2**20:.0f} MiB (weights and KV for {max_tokens} tokens), {free / 2**20:.0f} MiB free"
+    return None
+
+
+def collect_bids(spec: DecoderSpec, host: PluginHost, inv: Inventory) -> list[tuple[DecoderBid, Device]]:
+    out = []
+    for dev in inv.drivers():
+        bid = host.call(dev.plugin, "dspark_decoder_bid", decoder=spec, device=dev)
+        if bid is not None:
+            out.append((bid, dev))
+    return out
+
+
+def _probe(decoder: CompiledDecoder, reference: ModelRunner, dtype: str) -> str | None:
+    """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half: a few flips)."""
+    r = compare(decoder, reference, prompt_lens=(5, 19), decode_steps=2, draft=3,
+                num_blocks=max(8, -(-64 // decoder.block_size) * 2 + 4))
+    tol, flips = (1e-2, 0.1) if dtype == "float32" else (1.0, 0.25)
+    if r.max_abs_diff > tol or r.flip_rate > flips:
+        return (f"its logits differ from the torch runner's by up to {r.max_abs_diff:.3g} with "
+                f"{r.argmax_flips}/{r.rows} argmax flips on the probe scenario")
+    return None
+
+
+def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
+                   quantization: dict[str, str] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
+    """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'."""
+    t0 = time.perf_counter()
+    spec = make_spec(runner, path, max_num_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_batch_size,
+                     quantization=quantization)
+    max_tokens = cfg.max_total_tokens or 8192
+    declined: list[dict[str, str]] = []
+    candidates: list[tuple[DecoderBid, Device]] = []
+    for bid, dev in collect_bids(spec, host, inv):
+        label = f"{bid.plugin}@{bid.device_id}"
+        if not _wanted(cfg.decoder, bid):
+            continue
+        why = bid.declined or _fits(bid, dev, max_tokens)
+        if why:
+            declined.append({"label": label, "reason": why})
+        else:
+            candidates.append((bid, dev))
+    targets: list[Target] = []
+    for bid, dev in candidates:
+        label = f"{bid.plugin}@{bid.device_id}"
+        compiled = host.call(bid.plugin, "dspark_compile_decoder", decoder=spec, device=dev)
+        if compiled is None:
+            declined.append({"label": label, "reason": "bid, then did not compile (reported to the plugin)"})
+            host.charge(bid.plugin, "dspark_compile_decoder", "bid on the decoder, then returned None",
+                        device=dev.id)
+            continue
+        try:
+            bad = _probe(compiled, runner, spec.dtype)
+        except Exception as exc:
+            bad = f"the probe step raised {type(exc).__name__}: {exc}"
+        if bad:
+            declined.append({"label": label, "reason": bad})
+            host.charge(bid.plugin, "decoder.probe", bad, device=dev.id)
+            continue
+        targets.append(Target(label, bid.runtime, compiled, bid.plugin, dev.id, exit_layers=bid.exit_layers,
+                              note=bid.note))
+    ref = Target(REFERENCE, f"torch {torch.__version__}")
+    if not targets:
+        why = "no plugin bid on the decoder" if not declined else "every bid was declined"
+        choice = DecoderChoice(REFERENCE, why, [{"label": REFERENCE, "runtime": ref.runtime}], declined,
+                               time.perf_counter() - t0)
+        _log(choice)
+        return runner, choice
+    _time(targets, ref, runner, spec, cfg)
+    ranked = sorted([*targets, ref], key=lambda t: t.score)
+    first = ranked[0]
+    rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms}
+            for t in ranked]
+    if first.is_reference:
+        choice = DecoderChoice(REFERENCE, f"measured fastest ({_beat(first, ranked)})", rows, declined,
+                               time.perf_counter() - t0)
+        _log(choice)
+        return runner, choice
+    block = first.compiled.block_size  # type: ignore[union-attr]
+    chain = [t for t in ranked if t.is_reference or t.compiled.block_size == block]  # type: ignore[union-attr]
+    chain = chain[: chain.index(next(t for t in chain if t.is_reference)) + 1]
+    choice = DecoderChoice(first.label, f"measured fastest ({_beat(first, ranked)})", rows, declined,
+                           time.perf_counter() - t0)
+    _log(choice)
+    return DecoderRunner(runner, chain, host=host), choice
+
+
+def _beat(first: Target, ranked: list[Target]) -> str:
+    others = [f"{t.label} x{t.score / first.score:.2f}" for t in ranked if t is not first]
+    return "beat " + ", ".join(others) if others else "alone"
+
+
+def _key(t: Target, spec: DecoderSpec, shape_names: list[str]) -> dict[str, Any]:
+    return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
+            "shapes": shape_names, "context": _CONTEXT}
+
+
+def _time(targets: list[Target], ref: Target, runner: ModelRunner, spec: DecoderSpec, cfg: EngineConfig) -> None:
+    """Fill ``step_ms`` and ``score`` of every target (the reference included), from the disk cache
+    where all were timed before in this configuration, else by timing them together now."""
+    sl = shapes(cfg.max_batch_size, min(128, cfg.max_num_batched_tokens))
+    names = [s.name for s in sl]
+    everyone = [*targets, ref]
+    cached = [disk.load(_NAMESPACE, _key(t, spec, names)) for t in everyone]
+    if all(c is not None for c in cached):
+        for t, c in zip(everyone, cached):
+            t.step_ms = dict(c)
+    else:
+        benches = {}
+        vocab = runner.cfg.vocab_size
+        ctx = min(_CONTEXT, runner.cfg.max_position_embeddings - 130)
+        max_seqs = max(s.seqs for s in sl)
+        for t in everyone:
+            if t.is_reference:
+                benches[t.label] = Bench(runner.step, lambda n: runner.make_cache(n, 16), 16, max_seqs=max_seqs,
+                                         context=ctx, max_rows=130, vocab=vocab)
+            else:
+                dr = DecoderRunner(runner, [t], step_timeout_s=None)
+                bs = t.compiled.block_size  # type: ignore[union-attr]
+                benches[t.label] = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs,
+                                         max_seqs=max_seqs, context=ctx, max_rows=130, vocab=vocab)
+        timed = time_targets(benches, sl)
+        for t in everyone:
+            t.step_ms = timed[t.label]
+            disk.store(_NAMESPACE, _key(t, spec, names), t.step_ms)
+    for t in everyone:
+        t.score = score(t.step_ms, ref.step_ms)
+
+
+def _log(choice: DecoderChoice) -> None:
+    log.info("llm.decoder.choice", chosen=choice.chosen, reason=choice.reason,
+             ranked=[(r["label"], r.get("score"), r.get("step_ms")) for r in choice.ranked],
+             declined=[(d["label"], d["reason"]) for d in choice.declined], seconds=round(choice.seconds, 2))

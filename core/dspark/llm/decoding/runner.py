@@ -1,0 +1,205 @@
+"""The engine's runner when a plugin's compiled decoder runs the model: the torch runner's interface
+over a ranked list of targets, with failover.
+
+The engine keeps calling ``runner.step(cache, chunks)`` as it does on the torch
+runner; this runner turns the chunks into a :class:`~dspark.sdk.decoder.StepBatch`
+over the engine's block tables and runs the current target. A target whose step
+raises or hangs is reported and charged to its plugin; the runner moves to the
+next target (the torch runner is always last), rebuilds every live sequence's
+KV there by recomputing it from the tokens it has recorded, and runs the step
+again, so no request fails. The block size is the first target's; every later
+target takes it (the torch runner and the plugins that bid ``block_size=None``
+run any).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dspark.host import hook_threads
+from dspark.host.log import get_logger
+from dspark.llm.decoding.batch import build_batch, split_logits
+from dspark.llm.runner.kv_cache import PagedKVCache
+from dspark.llm.runner.model import ModelRunner, SeqChunk
+
+if TYPE_CHECKING:
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.sdk.decoder import CompiledDecoder
+
+log = get_logger("dspark.llm.decoder")
+
+REFERENCE = "torch"
+_RECOMPUTE_CHUNK = 256  # tokens per recompute step when a sequence's KV is rebuilt on another target
+
+
+@dataclass
+class Target:
+    """One way to run the whole model: a plugin's compiled decoder on a device, or the torch runner."""
+
+    label: str  # "cpu@cpu" (plugin@device), or "torch"
+    runtime: str
+    compiled: CompiledDecoder | None = None  # None: the torch runner
+    plugin: str | None = None
+    device_id: str | None = None
+    step_ms: dict[str, float] = field(default_factory=dict)  # measured per step shape
+    exit_layers: bool = True
+    note: str = ""
+    score: float = 1.0  # mean step time relative to the torch runner's (timing.score)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.compiled is None
+
+
+class DecoderRunner:
+    """A :class:`ModelRunner` stand-in driving ``targets`` (best first) with failover."""
+
+    def __init__(self, reference: ModelRunner, targets: list[Target], *, host: PluginHost | None = None,
+                 step_timeout_s: float | None = 60.0,
+                 on_failover: Callable[[Target, Target, str], None] | None = None) -> None:
+        if not targets or not targets[-1].is_reference:
+            targets = [*[t for t in targets if not t.is_reference], Target(REFERENCE, "torch")]
+        self.reference = reference
+        self.targets = targets
+        self.current = targets[0]
+        self.host = host
+        self.step_timeout_s = step_timeout_s
+        self.on_failover = on_failover
+        self.failovers: list[dict[str, Any]] = []
+        self._caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    # -- what the engine reads off a runner -------------------------------------------------
+    def __getattr__(self, name: str) -> Any:  # cfg, dtype, linear_names, ... are the reference's
+        return getattr(self.__dict__["reference"], name)
+
+    @property
+    def block_size(self) -> int | None:
+        c = self.targets[0].compiled
+        return None if c is None else c.block_size
+
+    def padded_rows(self, n: int) -> int:
+        return n if self.current.compiled is not None else self.reference.padded_rows(n)
+
+    def head(self, hn: torch.Tensor) -> torch.Tensor:
+        # A compiled target returns logits for hidden_only chunks too (it has no separate head call).
+        return hn if self.current.compiled is not None else self.reference.head(hn)
+
+    def make_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        """Block tables on the host; K/V memory on the current target (torch tensors only for torch)."""
+        if self.current.compiled is None:
+            cache = self.reference.make_cache(num_pages, page_size)
+        else:
+            c = self.reference.cfg
+            cache = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                                 kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.reference.dtype,
+                                 device="meta")
+            cache.device_kv = (self.current.label, self.current.compiled.allocate(num_pages))  # type: ignore[attr-defined]
+        self._caches.add(cache)
+        return cache
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None = None) -> list[torch.Tensor]:
+        with self._lock:
+            while True:
+                target = self.current
+                if target.compiled is None:
+                    out = self.reference.step(cache, chunks, exit_layer)
+                    self._record(cache, chunks, advanced=True)
+                    return out
+                try:
+                    return self._compiled_step(target, cache, chunks, exit_layer)
+                except Exception as exc:  # a plugin's fault: report, move on, recompute, run the step again
+                    self._failover(target, f"{type(exc).__name__}: {exc}")
+
+    def _compiled_step(self, target: Target, cache: PagedKVCache, chunks: list[SeqChunk],
+                       exit_layer: int | None) -> list[torch.Tensor]:
+        assert target.compiled is not None
+        label, kv = cache.device_kv  # type: ignore[attr-defined]
+        if label != target.label:
+            raise RuntimeError(f"cache belongs to {label}, not {target.label}")
+        batch = build_batch(cache, chunks, exit_layer)
+        if self.step_timeout_s is None:
+            raw = target.compiled.step(kv, batch)
+        else:
+            try:
+                raw = hook_threads.call_with_timeout(target.compiled.step, [kv, batch], self.step_timeout_s,
+                                                     f"{target.label}.step")
+            except hook_threads.CallTimeout:
+                raise TimeoutError(f"step did not return within {self.step_timeout_s:g} s") from None
+        logits = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.asarray(raw))
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        want = len(batch.logit_rows)
+        if logits.dim() != 2 or logits.shape[0] != want or logits.shape[1] != self.reference.cfg.vocab_size:
+            raise ValueError(f"step returned logits of shape {tuple(logits.shape)}, expected "
+                             f"({want}, {self.reference.cfg.vocab_size})")
+        self._record(cache, chunks)
+        for ch in chunks:
+            cache.set_len(ch.seq_id, cache.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
+        return split_logits(chunks, logits)  # type: ignore[return-value]
+
+    @staticmethod
+    def _record(cache: PagedKVCache, chunks: list[SeqChunk], *, advanced: bool = False) -> None:
+        """Keep each sequence's cached tokens, what a failover recomputes (set_len and truncate trim
+        them). ``advanced``: the lengths already include the chunks (the torch runner moved them)."""
+        for ch in chunks:
+            n = len(ch.token_ids)
+            start = cache.seq_lens.get(ch.seq_id, 0) - (n if advanced else 0)
+            have = cache.tokens.setdefault(ch.seq_id, [])
+            del have[start:]
+            have.extend(ch.token_ids)
+
+    # -- failover -------------------------------------------------------------------------------
+    def _failover(self, failed: Target, reason: str) -> None:
+        i = self.targets.index(failed)
+        nxt = self.targets[i + 1]
+        log.error("llm.decoder.failover", failed=failed.label, reason=reason, next=nxt.label)
+        if self.host is not None and failed.plugin is not None:
+            self.host.charge(failed.plugin, "decoder.step", reason, device=failed.device_id)
+        self.failovers.append({"from": failed.label, "to": nxt.label, "reason": reason, "time": time.time()})
+        self.current = nxt
+        t0 = time.perf_counter()
+        seqs = sum(self._rebuild(c, nxt) for c in list(self._caches))
+        log.info("llm.decoder.recomputed", target=nxt.label, sequences=seqs,
+                 ms=round((time.perf_counter() - t0) * 1e3, 1))
+        if self.on_failover is not None:
+            self.on_failover(failed, nxt, reason)
+
+    def _rebuild(self, cache: PagedKVCache, target: Target) -> int:
+        """Give ``cache`` K/V memory on ``target`` and recompute every sequence's cached tokens into it."""
+        if target.compiled is None:
+            c = self.reference.cfg
+            shape = (cache.allocator.num_pages, cache.page_size, c.num_key_value_heads, c.head_dim)
+            cache.k = [torch.zeros(shape, dtype=self.reference.dtype) for _ in range(c.num_hidden_layers)]
+            cache.v = [torch.zeros(shape, dtype=self.reference.dtype) for _ in range(c.num_hidden_layers)]
+            cache.device_kv = (target.label, None)  # type: ignore[attr-defined]
+        else:
+            cache.device_kv = (target.label, target.compiled.allocate(cache.allocator.num_pages))  # type: ignore[attr-defined]
+        lens = dict(cache.seq_lens)
+        rebuilt = 0
+        for seq_id, n in lens.items():
+            toks = cache.tokens.get(seq_id, [])[:n]
+            if n == 0:
+                continue
+            if len(toks) != n:
+                raise RuntimeError(f"sequence {seq_id}: {len(toks)} recorded tokens for {n} cached")
+            cache.set_len(seq_id, 0)
+            cache.tokens[seq_id] = []
+            for a in range(0, n, _RECOMPUTE_CHUNK):
+                part = SeqChunk(seq_id, toks[a : a + _RECOMPUTE_CHUNK])
+                if target.compiled is None:
+                    self.reference.step(cache, [part])
+                    self._record(cache, [part], advanced=True)
+                else:
+                    self._compiled_step(target, cache, [part], None)
+            rebuilt += 1
+        return rebuilt

@@ -1,0 +1,47 @@
+"""The engine's runner at start-up: packed torch weights, then the decoder target (choose.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dspark.host.log import get_logger
+
+if TYPE_CHECKING:
+    from dspark.llm.decoding.choose import DecoderChoice
+    from dspark.llm.engine import LLMEngine
+
+log = get_logger("dspark.llm.decoder")
+
+
+def why_torch_only(engine: LLMEngine) -> str | None:
+    """Engine settings a compiled whole decoder cannot honour, or None."""
+    cfg = engine.config
+    if cfg.decoder == "torch":
+        return "decoder='torch'"
+    if engine.placement is not None:
+        return "devices= places the torch runner's layers itself"
+    if engine.dense_offload is not None:
+        return "dense_offload runs the torch runner's MLP elsewhere"
+    return None
+
+
+def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
+    """Pack the torch runner, choose the decoder target and set ``engine.runner``; returns the packing
+    decision, the choice (None when only torch may run) and the KV page size to use."""
+    from dspark.llm.runner.packed_linear import pack_runner
+
+    cfg = engine.config
+    packed = pack_runner(engine.runner, cfg.packed_linear)  # after quantization: float ones only
+    why = why_torch_only(engine)
+    if why is not None:
+        if cfg.decoder not in ("auto", "torch"):
+            log.warning("llm.decoder.choice", chosen="torch", reason=f"{cfg.decoder} asked for, but {why}")
+        return packed, None, cfg.page_size
+    from dspark.llm.decoding.choose import choose_decoder
+
+    plan = engine.quant_plan
+    quant = None if plan is None else {lp.name: lp.precision for lp in plan.layers if lp.precision != "float"}
+    engine.runner, choice = choose_decoder(engine.runner, engine.model_path, cfg, host=engine.plugin_host,
+                                           inv=engine.inventory, quantization=quant)
+    page = getattr(engine.runner, "block_size", None) or cfg.page_size
+    return packed, choice, page

@@ -1,0 +1,100 @@
+"""A :class:`~dspark.sdk.decoder.DecoderSpec` for the engine's model, read off its torch runner."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dspark.sdk.decoder import DecoderSpec, DecoderWeights, LayerWeights
+
+if TYPE_CHECKING:
+    from dspark.llm.runner.model import ModelRunner
+
+
+def features(runner: ModelRunner) -> frozenset[str]:
+    """What the model needs beyond a plain Llama decoder (dspark.sdk.decoder.FEATURES)."""
+    c = runner.cfg
+    f: set[str] = set()
+    if c.attention_bias:
+        f.add("qkv_bias")
+    if c.o_bias:
+        f.add("o_bias")
+    if c.qk_norm:
+        f.add("qk_norm")
+    if c.hidden_act not in ("silu", "swish"):
+        f.add("gelu_tanh" if "tanh" in c.hidden_act else "gelu")
+    if c.gemma or c.local_rope is not None:
+        f.add("gemma")
+    if any(w is not None for w in runner.windows):
+        f.add("sliding_window")
+    if c.attn_logit_softcapping is not None or c.final_logit_softcapping is not None:
+        f.add("softcap")
+    if any(r.by_context for r in runner.ropes):
+        f.add("context_rope")
+    if c.partial_rotary_factor != 1.0:
+        f.add("partial_rotary")
+    if any(r is None for r in runner.layer_rope):
+        f.add("no_rope_layers")
+    if c.query_pre_attn_scalar is not None:
+        f.add("attn_scale")
+    return frozenset(f)
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    if t is None:
+        return None
+    if t.numel() == 0:
+        raise ValueError("a float weight was dropped by quantization; the spec needs the float checkpoint")
+    t = t.detach()
+    return (t if t.dtype == torch.float32 else t.float()).cpu().numpy()
+
+
+def weights_of(runner: ModelRunner) -> DecoderWeights:
+    """The runner's weights in the spec's layout (views where the runner holds float32)."""
+    layers = []
+    for L in runner.layers:
+        layers.append(LayerWeights(
+            in_norm=_np(L.in_norm), post_norm=_np(L.post_norm), qkv=_np(L.w_qkv_t), o=_np(L.w_o.t()),
+            gate_up=_np(L.w_gate_up_t), down=_np(L.w_down.t()), qkv_bias=_np(L.b_qkv), o_bias=_np(L.b_o),
+            q_norm=_np(L.q_norm), k_norm=_np(L.k_norm)))
+    return DecoderWeights(embed=_np(runner.embed), norm=_np(runner.norm), head=_np(runner.lm_head_t), layers=layers)
+
+
+def fingerprint(path: Path, runner: ModelRunner, extra: object = None) -> str:
+    """Identifies weights, config, dtype and any quantization plan: the key of compiled caches."""
+    h = hashlib.sha256()
+    h.update(runner.cfg.model_dump_json().encode())
+    h.update(str(runner.dtype).encode())
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None = None,
+              max_num_tokens: int = 512, max_num_seqs: int = 256,
+              quantization: dict[str, str] | None = None) -> DecoderSpec:
+    c = runner.cfg
+    rope = runner.ropes[0]
+
+    def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = rope.cos_sin(torch.arange(n), torch.float32)
+        return cos.numpy(), sin.numpy()
+
+    return DecoderSpec(
+        name=path.name, path=str(path), fingerprint=fingerprint(path, runner, quantization),
+        architecture=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, features=features(runner),
+        dtype=str(runner.dtype).removeprefix("torch."), layers=layers or (0, c.num_hidden_layers),
+        exit_layers=tuple(range(1, c.num_hidden_layers)), max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs, quantization=quantization,
+        weights_fn=lambda: weights_of(runner), rope_fn=rope_fn)

@@ -1,0 +1,99 @@
+"""A decoder target timed at the engine's real step shapes.
+
+Shapes: decode at batch 1, 8 and 32 (capped at the engine's batch size), a
+prefill chunk, and a k=8 verification (9 rows, every row's logits), each over
+sequences that already hold ``context`` tokens. Each shape is one step run
+again and again with its KV rolled back in between, so every run sees the same
+context. Targets are timed interleaved, shape by shape, and the median kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dspark.llm.runner.kv_cache import PagedKVCache
+from dspark.llm.runner.model import SeqChunk
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    seqs: int
+    rows: int  # new tokens per sequence
+    all_logits: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.seqs * self.rows
+
+
+def shapes(max_batch: int, prefill_chunk: int) -> list[Shape]:
+    out = [Shape("decode_b1", 1, 1)]
+    for b in (8, 32):
+        if b <= max_batch:
+            out.append(Shape(f"decode_b{b}", b, 1))
+    out.append(Shape(f"prefill_{prefill_chunk}", 1, prefill_chunk))
+    out.append(Shape("verify_k8", 1, 9, all_logits=True))
+    return out
+
+
+# A step function: (cache, chunks) -> per chunk logits, as ModelRunner.step.
+StepFn = Callable[[PagedKVCache, list[SeqChunk]], list[torch.Tensor]]
+
+
+class Bench:
+    """One target's cache prepared for every shape: ``seqs`` sequences of ``context`` tokens."""
+
+    def __init__(self, step: StepFn, make_cache: Callable[[int], PagedKVCache], page_size: int, *,
+                 max_seqs: int, context: int, max_rows: int, vocab: int) -> None:
+        self.step = step
+        need = max_seqs * (-(-(context + max_rows) // page_size) + 1)
+        self.cache = make_cache(need)
+        g = torch.Generator().manual_seed(0)
+        self.context = context
+        self.ids = [f"t{i}" for i in range(max_seqs)]
+        for i in range(0, max_seqs, 8):  # prefill eight sequences at a time
+            step(self.cache, [SeqChunk(s, torch.randint(4, vocab, (context,), generator=g).tolist())
+                              for s in self.ids[i : i + 8]])
+        self.g = g
+        self.vocab = vocab
+
+    def run(self, shape: Shape) -> float:
+        """Seconds for one step of ``shape``; the K/V it wrote is rolled back."""
+        toks = torch.randint(4, self.vocab, (shape.seqs, shape.rows), generator=self.g).tolist()
+        chunks = [SeqChunk(self.ids[i], toks[i], all_logits=shape.all_logits) for i in range(shape.seqs)]
+        t0 = time.perf_counter()
+        out = self.step(self.cache, chunks)
+        float(out[-1].reshape(-1)[0])  # the logits are on the host: the step is done
+        dt = time.perf_counter() - t0
+        for ch in chunks:
+            self.cache.truncate(ch.seq_id, shape.rows)
+        return dt
+
+
+def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int = 5) -> dict[str, dict[str, float]]:
+    """Median ms per step, per target and shape; targets interleaved within each shape."""
+    out: dict[str, dict[str, float]] = {k: {} for k in benches}
+    for shape in shape_list:
+        samples: dict[str, list[float]] = {k: [] for k in benches}
+        for k, b in benches.items():  # one untimed run each: first-touch of buffers, kernel selection
+            b.run(shape)
+        for _ in range(reps):
+            for k, b in benches.items():
+                samples[k].append(b.run(shape))
+        for k in benches:
+            out[k][shape.name] = round(statistics.median(samples[k]) * 1e3, 4)
+    return out
+
+
+def score(step_ms: dict[str, float], reference: dict[str, float]) -> float:
+    """A target's cost: its mean step time relative to the reference's, over the shapes both ran."""
+    common = [s for s in step_ms if s in reference and reference[s] > 0]
+    if not common:
+        return float("inf")
+    return sum(step_ms[s] / reference[s] for s in common) / len(common)
