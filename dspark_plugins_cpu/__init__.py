@@ -12,9 +12,10 @@ from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
+    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
+    from dspark.types import Bid, DecoderBid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.5"  # control-flow bodies (dspark.graph.body_op_types), TensorSpec.rank_known
+DSPARK_API_VERSION = "1.6"  # whole-decoder targets (dspark_decoder_bid, dspark_compile_decoder)
 
 
 @hookimpl
@@ -43,3 +44,17 @@ def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subg
     from dspark_plugins_cpu.quantize import quantize
 
     return quantize(subgraph, device, spec)
+
+
+@hookimpl
+def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | None:
+    from dspark_plugins_cpu.decoder import decoder_bid
+
+    return decoder_bid(decoder, device)
+
+
+@hookimpl
+def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> CompiledDecoder | None:
+    from dspark_plugins_cpu.decoder import compile_decoder
+
+    return compile_decoder(decoder, device)

@@ -1,0 +1,127 @@
+"""The cpu plugin's whole decoder: OpenVINO's paged attention, driven with the engine's block tables.
+
+One compiled model per layer range (and one more per early exit the engine asks
+for, built on first use), all sharing the same per-layer KV tensors. The KV
+layout and block size are the compiled model's own (``[blocks, kv_heads,
+block, head_dim]``, 32 tokens per block on CPUs); the bid says so and the
+engine lays its block tables out in it. KV precision is pinned to the engine's
+dtype: the CPU plugin's default would compress it to u8.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dspark.sdk.decoder import StepBatch
+from dspark.types import DecoderBid
+from dspark_plugins_cpu import runtime
+from dspark_plugins_cpu.decoder import graph as decoder_graph
+
+if TYPE_CHECKING:
+    from dspark.sdk.decoder import DecoderSpec
+    from dspark.types import Device
+
+_OV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BLOCK_SIZE = 32  # the CPU plugin's paged-attention block for f32/bf16/f16 caches (read back after compile)
+
+
+def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
+    ov_name = runtime.ov_device(device)
+    if not ov_name.startswith("CPU"):
+        return None  # the paged-attention operation is a CPU (and GPU-plugin) kernel; only the CPU is checked here
+    base = {"device_id": device.id, "runtime": device.runtime, "runtime_version": runtime.version()}
+    why = spec.unsupported(decoder_graph.SUPPORTED)
+    if why is None and spec.quantization:
+        why = "takes float weights only (the quantization plan would need NNCF-compressed weights)"
+    if why is None and spec.dtype not in _OV_TYPES:
+        why = f"computes in float32, bfloat16 or float16, not {spec.dtype}"
+    if why is None and spec.dtype != "float32" and spec.dtype not in device.dtypes:
+        why = f"this CPU does not compute {spec.dtype} natively"
+    if why is not None:
+        return DecoderBid(**base, declined=why)
+    a, b = spec.layers
+    n = b - a
+    per_layer = spec.hidden_size * ((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim) \
+        + spec.num_heads * spec.head_dim * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size
+    edges = spec.vocab_size * spec.hidden_size * ((a == 0) + (b == spec.num_layers))
+    item = _BYTES[spec.dtype]
+    return DecoderBid(**base, precision=spec.dtype, kv_dtype=spec.dtype, block_size=BLOCK_SIZE,
+                      weight_bytes=(n * per_layer + edges) * item,
+                      kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * item, exit_layers=a == 0,
+                      note="OpenVINO PagedAttentionExtension, graph built from the spec's weights")
+
+
+class OpenVINODecoder:
+    """A :class:`dspark.sdk.decoder.CompiledDecoder` on OpenVINO."""
+
+    def __init__(self, spec: DecoderSpec, device: Device) -> None:
+        self.spec = spec
+        self.ov_name = runtime.ov_device(device)
+        self.config: dict[str, Any] = {
+            "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": _OV_TYPES[spec.dtype],
+            "KV_CACHE_PRECISION": _OV_TYPES[spec.dtype]}
+        self._lock = threading.Lock()
+        self._exits: dict[int, Any] = {}
+        self.compiled = self._compile(spec.layers, head=spec.last)
+        self.request = self.compiled.create_infer_request()
+        shape = self.compiled.input(f"key_cache.{spec.layers[0]}").get_partial_shape()
+        self.block_size = shape[2].get_length() if shape[2].is_static else BLOCK_SIZE
+        self._kv_shape = [spec.num_kv_heads, self.block_size, spec.head_dim]
+        self._kv_type = self.compiled.input(f"key_cache.{spec.layers[0]}").get_element_type()
+        self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
+
+    def _compile(self, layers: tuple[int, int], head: bool) -> Any:
+        model = decoder_graph.build(self.spec, layers, head=head)
+        return runtime.core().compile_model(model, self.ov_name, self.config)
+
+    def allocate(self, num_blocks: int) -> list[tuple[Any, Any]]:
+        import openvino as ov
+
+        shape = [num_blocks, *self._kv_shape]
+        return [(ov.Tensor(self._kv_type, shape), ov.Tensor(self._kv_type, shape))
+                for _ in range(*self.spec.layers)]
+
+    def _request(self, exit_layer: int | None) -> Any:
+        if exit_layer is None or exit_layer >= self.spec.layers[1]:
+            return self.request
+        if exit_layer not in self._exits:  # first use of this exit: its own model over the first layers
+            self._exits[exit_layer] = self._compile((self.spec.layers[0], exit_layer), head=True).create_infer_request()
+        return self._exits[exit_layer]
+
+    def step(self, kv: list[tuple[Any, Any]], batch: StepBatch) -> np.ndarray:
+        import openvino as ov
+
+        with self._lock:
+            req = self._request(batch.exit_layer)
+            a = self.spec.layers[0]
+            if self._bound.get(id(req)) is not kv:
+                for i in range(len(kv) if req is self.request else batch.exit_layer - a):  # type: ignore[operator]
+                    req.set_tensor(f"key_cache.{a + i}", kv[i][0])
+                    req.set_tensor(f"value_cache.{a + i}", kv[i][1])
+                self._bound[id(req)] = kv
+            feed = {"position_ids": batch.positions, "past_lens": batch.past_lens,
+                    "subsequence_begins": batch.subsequence_begins, "block_indices": batch.block_indices,
+                    "block_indices_begins": batch.block_indices_begins,
+                    "max_context_len": np.asarray(batch.max_context_len, dtype=np.int32)}
+            if a == 0:
+                feed["input_ids"] = batch.input_ids
+            else:
+                feed["hidden"] = batch.hidden
+            if req is not self.request or self.spec.last:
+                feed["logit_rows"] = batch.logit_rows
+            for name, value in feed.items():  # (ascontiguousarray would make the 0-d max_context_len 1-d)
+                req.set_tensor(name, ov.Tensor(value if value.flags.c_contiguous else np.ascontiguousarray(value),
+                                               shared_memory=True))
+            req.infer()
+            return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+
+
+def compile_decoder(spec: DecoderSpec, device: Device) -> OpenVINODecoder | None:
+    bid = decoder_bid(spec, device)
+    if bid is None or bid.declined:
+        return None
+    return OpenVINODecoder(spec, device)
