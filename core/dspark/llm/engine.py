@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +21,7 @@ from dspark.llm.logits import (
 )
 from dspark.llm.runner.loader import load_config
 from dspark.llm.runner.model import SeqChunk
+from dspark.llm.outputs import EngineStats, RequestOutput, Usage
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
@@ -30,65 +29,6 @@ if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
     from dspark.host.plugin_manager import PluginHost
     from dspark.llm.speculative.decoder import SpecDecoder
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """State of one request after a step; ``text``/``token_ids`` are cumulative, ``delta`` is new text."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
-    usage: Usage
-    num_preemptions: int = 0
-    # One entry per token of ``token_ids`` (raw logprobs, vLLM's default) when params.logprobs is set.
-    # A read-only view the length of ``token_ids``: ``logprobs[n_before:]`` is a stream's new part.
-    logprobs: Seq[TokenLogprobs] | None = None
-    first_scheduled: float | None = None  # time.perf_counter() when first scheduled (queue time = it - arrival)
-    # With params.prompt_logprobs: entry k is prompt token k + 1's (the first token has none).
-    prompt_logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv_used_bytes: int
-    kv_total_bytes: int
-    kv_used_pages: int
-    kv_free_pages: int
-    kv_total_pages: int
-    kv_usage: float
-    kv_fragmentation: float
-    page_size: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    effective_max_batch: int
-    # Speculative decoding (all zero when it is off); the totals over every drafter:
-    spec_strategy: str | None = None
-    spec_drafts: int = 0  # (sequence, step) pairs that verified a draft
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0  # accepted tokens per draft
-    spec_drafter_failures: int = 0
-    spec_explore_steps: int = 0  # drafts DeepSpec made only to re-measure drafting costs
-    spec_calibration_error: float | None = None  # the acceptance predictor's expected calibration error
-    spec_drafters: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, per drafter
 
 
 class LLMEngine:
@@ -146,6 +86,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._default_gen = torch.Generator().manual_seed(0)
+        self._steps, self._step_ms, self._forward_ms = 0, 0.0, 0.0  # where step time goes (stats())
         self.spec: SpecDecoder | None = None  # when speculative decoding is on
         if cfg.speculative.active:
             from dspark.llm.speculative.decoder import SpecDecoder
@@ -298,6 +239,7 @@ class LLMEngine:
             chunks = [spec.chunk(prop, p, ch) for p, ch in zip(planned, chunks)]
         t_fwd = time.perf_counter()
         logits = self.runner.step(self.cache, chunks)
+        self._forward_ms += (time.perf_counter() - t_fwd) * 1e3
         if spec is not None and prop is not None:
             spec.verify(prop, chunks, logits, t_fwd)  # first: it times the forward
         drafted = [bool(prop is not None and prop.draft(p.seq)) for p in planned]
@@ -338,6 +280,7 @@ class LLMEngine:
                 if spec is not None:
                     spec.release(seq.request_id)
         step_ms = (time.perf_counter() - t0) * 1e3
+        self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         if spec is not None and prop is not None:
             spec.end_step(prop, step_ms)
         self.scheduler.record_step(step_ms)
@@ -482,7 +425,11 @@ class LLMEngine:
             kv_free_pages=kv.free_pages, kv_total_pages=kv.total_pages, kv_usage=kv.used_pages / kv.total_pages,
             kv_fragmentation=kv.fragmentation, page_size=kv.page_size, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
-            effective_max_batch=self.scheduler.effective_max_batch,
+            effective_max_batch=self.scheduler.effective_max_batch, steps=self._steps,
+            forward_ms_per_step=self._forward_ms / max(1, self._steps),
+            host_ms_per_step=(self._step_ms - self._forward_ms) / max(1, self._steps),
+            decoder=getattr(getattr(self.runner, "current", None), "label", "torch"),
+            decoder_failovers=len(getattr(self.runner, "failovers", ())),
             **(self.spec.stats() if self.spec is not None else {}),
         )
 

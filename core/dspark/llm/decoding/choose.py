@@ -133,26 +133,33 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
-    _time(targets, ref, runner, spec, cfg)
-    ranked = sorted([*targets, ref], key=lambda t: t.score)
+    if cfg.decoder == "auto":
+        _time(targets, ref, runner, spec, cfg)
+        ranked = sorted([*targets, ref], key=lambda t: t.score)
+        why = "measured fastest ({})"
+    else:  # asked for by name: no race, the torch runner only as the fallback
+        ranked = [*targets, ref]
+        why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
     first = ranked[0]
     rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms}
             for t in ranked]
     if first.is_reference:
-        choice = DecoderChoice(REFERENCE, f"measured fastest ({_beat(first, ranked)})", rows, declined,
+        choice = DecoderChoice(REFERENCE, why.format(_beat(first, ranked)), rows, declined,
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
     block = first.compiled.block_size  # type: ignore[union-attr]
     chain = [t for t in ranked if t.is_reference or t.compiled.block_size == block]  # type: ignore[union-attr]
     chain = chain[: chain.index(next(t for t in chain if t.is_reference)) + 1]
-    choice = DecoderChoice(first.label, f"measured fastest ({_beat(first, ranked)})", rows, declined,
+    choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,
                            time.perf_counter() - t0)
     _log(choice)
     return DecoderRunner(runner, chain, host=host), choice
 
 
 def _beat(first: Target, ranked: list[Target]) -> str:
+    if not first.step_ms:
+        return "then " + ", ".join(t.label for t in ranked if t is not first)
     others = [f"{t.label} x{t.score / first.score:.2f}" for t in ranked if t is not first]
     return "beat " + ", ".join(others) if others else "alone"
 

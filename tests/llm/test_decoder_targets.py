@@ -1,0 +1,167 @@
+"""The engine on a plugin's compiled decoder (OpenVINO's paged attention through the cpu plugin):
+chosen by measurement, and every engine feature on top giving the torch runner's greedy tokens.
+
+float32 throughout, so both sides round alike (the conformance probe shows logits within 1e-4);
+bfloat16 argmax flips are measured by benchmarks/vs_openvino_genai.py, not asserted here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dspark.hookspecs import hookimpl
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.llm.engine import LLMEngine
+from dspark.llm.sampling import SamplingParams
+
+openvino = pytest.importorskip("openvino")
+from dspark_plugins_cpu import decoder as ov_decoder  # noqa: E402
+from dspark_plugins_cpu import probe as ov_probe  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
+           "for i in range(10):\n    print(i)\nfor j in range(", "# a long comment " * 6]
+
+
+def _run(engine: LLMEngine, params: list[SamplingParams], prios: list[int] | None = None) -> dict[str, Any]:
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(str(i), p, sp, priority=(prios or [0] * len(PROMPTS))[i])
+    out: dict[str, Any] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+    assert engine.cache.all_free()
+    return out
+
+
+def _engine(decoder: str, **kw: Any) -> LLMEngine:
+    return LLMEngine(MODEL, dtype="float32", decoder=decoder, **kw)
+
+
+def _greedy(n: int = 24) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
+
+
+def test_auto_runs_the_target_measured_fastest() -> None:
+    e = _engine("auto")
+    c = e.decoder_choice
+    assert c is not None
+    labels = [r["label"] for r in c.ranked]
+    assert "cpu@cpu" in labels and labels[-1] == "torch" or labels[0] == "torch"
+    scores = [r["score"] for r in c.ranked]
+    assert scores == sorted(scores), "ranked best first by measured step time"
+    for r in c.ranked:  # every contender was timed at the engine's step shapes
+        assert set(r["step_ms"]) == {"decode_b1", "decode_b8", "decode_b32", "prefill_128", "verify_k8"}
+    assert e.stats().decoder == c.chosen
+    assert c.reason.startswith("measured fastest (beat ")
+
+
+def test_batching_chunked_prefill_preemption_priorities_match_torch() -> None:
+    # Small budgets: prompts prefill in 16-token chunks, 5 sequences share 4 batch slots, and the KV budget
+    # forces preemption by recompute.
+    kw = dict(max_batch_size=4, max_num_batched_tokens=16, max_total_tokens=160, priority_preemption=True)
+    prios = [1, 0, 2, 0, 1]
+    ref = _run(_engine("torch", **kw), _greedy(), prios)
+    e = _engine("cpu", **kw)
+    assert e.stats().decoder == "cpu@cpu" and e.cache.page_size == e.runner.block_size
+    got = _run(e, _greedy(), prios)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+    assert e.stats().num_preemptions > 0
+
+
+def test_speculative_decoding_on_the_target_is_lossless() -> None:
+    ref = _run(_engine("torch"), _greedy(32))
+    e = _engine("cpu", speculative_decoding={"enabled": True})
+    got = _run(e, _greedy(32))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+    s = e.stats()
+    assert s.decoder == "cpu@cpu" and s.spec_drafts > 0 and s.spec_accepted_tokens > 0
+    assert e.runner.failovers == []
+
+
+def test_self_drafting_exit_layer_on_the_target() -> None:
+    # The early exit runs the target's first layers through the plugin's own exit model.
+    ref = _run(_engine("torch"), _greedy(16))
+    e = _engine("cpu", speculative_decoding={"strategy": "fixed", "drafters": ["self"], "exit_layer": 2})
+    got = _run(e, _greedy(16))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+    assert e.stats().spec_drafts > 0 and 2 in e.runner.current.compiled._exits
+
+
+def test_logprobs_and_sampling_on_the_target() -> None:
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=7, logprobs=2, prompt_logprobs=1) for _ in PROMPTS]
+    ref = _run(_engine("torch"), params)
+    got = _run(_engine("cpu"), params)
+    for k in ref:
+        assert got[k].token_ids == ref[k].token_ids
+        a = np.array([lp.logprob for lp in got[k].logprobs])
+        b = np.array([lp.logprob for lp in ref[k].logprobs])
+        assert np.abs(a - b).max() < 1e-3
+        assert len(got[k].prompt_logprobs) == len(ref[k].prompt_logprobs)
+
+
+# -- a plugin whose decoder fails while serving --------------------------------------------------
+class _Faulty:
+    """OpenVINO's decoder under another name, failing (raising or hanging) at its ``fail_at``-th step."""
+
+    DSPARK_API_VERSION = "1.6"
+
+    def __init__(self, fail_at: int, hang_s: float = 0.0) -> None:
+        self.fail_at, self.hang_s, self.steps = fail_at, hang_s, 0
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"runtime": "faulty/CPU"}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return ov_decoder.decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        inner = ov_decoder.compile_decoder(decoder, device)
+        plugin = self
+
+        class Wrapped:
+            block_size = inner.block_size
+
+            def allocate(self, n: int) -> Any:
+                return inner.allocate(n)
+
+            def step(self, kv: Any, batch: Any) -> Any:
+                plugin.steps += 1
+                if plugin.steps == plugin.fail_at:
+                    if plugin.hang_s:
+                        time.sleep(plugin.hang_s)
+                    else:
+                        raise RuntimeError("device lost")
+                return inner.step(kv, batch)
+
+        return Wrapped()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["raises", "hangs"])
+def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: bool) -> None:
+    ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda"}))
+    faulty = _Faulty(fail_at=16, hang_s=3.0 if hang else 0.0)  # the probe scenario takes 6 steps: mid-serving
+    host.register(faulty, "faulty")
+    host.load()
+    e = LLMEngine(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
+    e.runner.step_timeout_s = 1.0
+    assert e.stats().decoder == "faulty@cpu"
+    got = _run(e, _greedy(20))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+    assert all(o.finish_reason == "length" for o in got.values())
+    s = e.stats()
+    assert s.decoder == "torch" and s.decoder_failovers == 1
+    fault = host.last_fault("faulty")
+    assert fault is not None and fault.hook == "decoder.step"
+    assert ("did not return within" if hang else "device lost") in fault.reason
