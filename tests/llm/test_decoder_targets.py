@@ -84,6 +84,9 @@ def test_speculative_decoding_on_the_target_is_lossless() -> None:
     s = e.stats()
     assert s.decoder == "cpu@cpu" and s.spec_drafts > 0 and s.spec_accepted_tokens > 0
     assert e.runner.failovers == []
+    # The draft model's own decoder was placed the same way.
+    draft = next(h.obj for h in e.spec.handles if h.kind == "model")
+    assert draft.decoder_choice is not None and draft.decoder_choice.chosen == "cpu@cpu"
 
 
 def test_self_drafting_exit_layer_on_the_target() -> None:

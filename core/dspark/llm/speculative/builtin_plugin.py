@@ -43,7 +43,8 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
                 name=f"draft-model:{p.name if hasattr(p, 'name') else p}", kind="model",
                 description=f"separate draft checkpoint {p}",
                 create=partial(DraftModelDrafter, p, str(props.get("dtype", "float32")),
-                               int(props.get("max_total_tokens", 8192)), int(props.get("page_size", 16)))))
+                               int(props.get("max_total_tokens", 8192)), int(props.get("page_size", 16)),
+                               target.runtime)))
     rt = target.runtime
     if rt is not None and target.num_layers >= 2:
         exits = [int(e) for e in props.get("early_exit_layers", []) or []]

@@ -129,12 +129,23 @@ class DraftModelDrafter:
     """A small separate model with its own paged KV cache, kept in step with each sequence."""
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_total_tokens: int = 8192,
-                 page_size: int = 16) -> None:
+                 page_size: int = 16, runtime: Any = None) -> None:
+        """``runtime``: the target's engine; with it, the draft model's decoder is placed as the
+        target's is (its plugins bid, the fastest measured runs; ``decoder_choice`` says which)."""
         self.path = Path(path)
-        self.runner = ModelRunner.from_pretrained(str(path), dtype)
+        self.runner: Any = ModelRunner.from_pretrained(str(path), dtype)
         from dspark.llm.runner.packed_linear import pack_runner
 
         pack_runner(self.runner, "auto")  # batched drafting steps run several rows
+        self.decoder_choice = None
+        cfg = getattr(runtime, "config", None)
+        if cfg is not None and cfg.decoder != "torch" and getattr(runtime, "placement", None) is None:
+            from dspark.llm.decoding.choose import choose_decoder
+
+            self.runner, self.decoder_choice = choose_decoder(
+                self.runner, self.path, cfg.model_copy(update={"max_total_tokens": max_total_tokens}),
+                host=runtime.plugin_host, inv=runtime.inventory)
+            page_size = getattr(self.runner, "block_size", None) or page_size
         self.cache = self.runner.make_cache(-(-max_total_tokens // page_size), page_size)
         self.toks: dict[str, list[int]] = {}  # per sequence, the tokens whose K/V are in self.cache
         self._last_use: dict[str, float] = {}
