@@ -193,8 +193,10 @@ def server_factory() -> Iterator[Callable[..., ServerHandle]]:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    """The shared server (no API key). At the end: idle, no KV pages held, exit code 0 on SIGTERM."""
-    h = start_server(tmp_path_factory.mktemp("server"))
+    """The shared server (no API key). At the end: idle, no KV pages held, exit code 0 on SIGTERM.
+    It runs the engine's default decoder choice ('auto': the plugins' compiled decoders bid and the
+    fastest measured runs), so the API tests go through whichever target wins here."""
+    h = start_server(tmp_path_factory.mktemp("server"), env={"DSPARK_DECODER": "auto"})
     try:
         yield h
         h.wait_idle()

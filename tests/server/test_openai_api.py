@@ -32,6 +32,16 @@ def sse_events(resp: httpx.Response) -> list[str]:
     return [e[len("data: "):] for e in events]
 
 
+def test_the_decoder_target_is_chosen_and_logged(server: Any) -> None:
+    line = next(x for x in server.startup_log if str(x.get("event", "")).startswith("Model runs on "))
+    choice = next(x for x in server.startup_log if x.get("event") == "llm.decoder.choice")
+    ranked = [r[0] for r in choice["ranked"]]
+    assert choice["chosen"] == ranked[0] and "torch" in ranked, choice
+    assert line["target"].startswith(choice["chosen"]), line  # the start-up line names the winner and why
+    if choice["chosen"] != "torch":
+        assert "measured fastest (beat" in line["target"]
+
+
 def test_models_and_health(server: Any) -> None:
     client = server.openai()
     assert [m.id for m in client.models.list().data] == [server.model]

@@ -109,6 +109,9 @@ class EngineSection(_Section):
     dense_offload: str = "off"
     packed_linear: Literal["auto", "on", "off"] = Field(
         "auto", description="EngineConfig.packed_linear: oneDNN-packed projection copies for multi-row steps")
+    decoder: str | None = Field(
+        None, description="EngineConfig.decoder: 'auto' (the plugins' compiled decoders bid, the fastest measured "
+        "runs), 'torch', or 'PLUGIN[@DEVICE]'; null = $DSPARK_DECODER or 'auto'")
 
 
 class ResourcesSection(_Section):
@@ -224,6 +227,8 @@ class ServerConfig(_Section):
             preemption_policy=cb.preemption_policy, devices=e.devices, dense_offload=e.dense_offload,
             packed_linear=e.packed_linear,
         )
+        if e.decoder is not None:
+            kw["decoder"] = e.decoder
         # Handed over where the engine knows the field; validated and logged either way.
         if "gpu_memory_utilization" in EngineConfig.model_fields:
             kw["gpu_memory_utilization"] = self.resources.gpu_memory_utilization

@@ -233,6 +233,12 @@ def describe_runtime(engine: Any) -> RuntimeInfo:
     else:
         devices = ["cpu"]
         target = "torch on cpu"
+        current = getattr(getattr(eng, "runner", None), "current", None)  # a plugin's compiled decoder
+        if current is not None and current.plugin:
+            used.append(current.plugin)
+            devices = [current.device_id]
+            choice = getattr(eng, "decoder_choice", None)
+            target = f"{current.label} ({current.runtime})" + (f", {choice.reason}" if choice is not None else "")
     decision = getattr(eng, "dense_offload_decision", None)
     if getattr(eng, "dense_offload", None) is not None and decision is not None and decision.plugin:
         used.append(decision.plugin)
