@@ -167,3 +167,15 @@ def test_cold_start_is_fast() -> None:
     # The budget is 1.5 s on an idle machine; CI shares 2 cores with other
     # work, so the test allows slack and docs/benchmarks.md records the figure.
     assert sorted(times)[1] < 4.0, times
+
+
+def test_devices_decoders_lists_bids_timings_and_the_winner() -> None:
+    r = dspark("devices", "--decoders", "default", "--dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr
+    choice = json.loads(r.stdout)
+    labels = [t["label"] for t in choice["ranked"]]
+    assert "torch" in labels and "cpu@cpu" in labels, choice  # OpenVINO bid, the torch runner is always ranked
+    assert choice["chosen"] == labels[0] and choice["reason"].startswith("measured fastest")
+    assert all(set(t["step_ms"]) >= {"decode_b1", "prefill_128", "verify_k8"} for t in choice["ranked"])
+    bad = dspark("devices", "--decoders", str(ROOT / "no-such-model"))
+    assert bad.returncode == 2 and "no-such-model is not a checkpoint directory" in bad.stderr

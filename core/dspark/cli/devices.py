@@ -20,10 +20,17 @@ def devices(
     plugin: PluginOpt = None,
     cluster: Annotated[bool, typer.Option("--cluster", help="Every node of a Ray cluster, probed on the node.")] = False,
     ray_address: Annotated[str | None, typer.Option(help="With --cluster: the cluster to join (default 'auto').")] = None,
+    decoders: Annotated[str | None, typer.Option(
+        "--decoders", metavar="MODEL", help="Also ask every plugin to bid on MODEL's whole decoder ('default' = the "
+        "embedded model), time the bidders at the engine's step shapes and show which would run it and why.")] = None,
+    dtype: Annotated[str, typer.Option(help="With --decoders: the engine dtype.")] = "auto",
 ) -> None:
     """List every device, the plugins/runtimes that drive it, and every plugin's status and failures."""
     from dspark.host.inventory import probe
 
+    if decoders is not None:
+        _decoders(decoders, dtype, plugin, as_json)
+        return
     if cluster:
         _cluster_devices(ray_address, as_json)
         return
@@ -136,3 +143,40 @@ def demo(as_json: JsonOpt = False, plugin: PluginOpt = None,
     out.print(table)
     if any(r.measured_ms is not None and not r.ok for r in rows):
         raise typer.Exit(1)
+
+
+def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -> None:
+    """``dspark devices --decoders MODEL``: the engine's decoder choice for MODEL, bids and timings."""
+    from pathlib import Path
+
+    from dspark.host.inventory import probe
+    from dspark.llm.api import default_model_path
+    from dspark.llm.config import EngineConfig
+    from dspark.llm.decoding.choose import choose_decoder
+    from dspark.llm.runner.model import ModelRunner
+    from dspark.llm.runner.packed_linear import pack_runner
+
+    path = default_model_path() if model == "default" else Path(model)
+    if not (path / "config.json").exists():
+        err.print(f"[red]error:[/red] --decoders: {path} is not a checkpoint directory (no config.json)")
+        raise typer.Exit(2)
+    host = host_from_cli(plugin)
+    with err.status(f"bidding on {path.name}'s decoder and timing the bidders..."):
+        runner = ModelRunner.from_pretrained(str(path), dtype)
+        pack_runner(runner, "auto")
+        _, choice = choose_decoder(runner, path, EngineConfig(decoder="auto"), host=host, inv=probe(host))
+    if as_json:
+        print(json.dumps(choice.to_dict(), indent=2))
+        return
+    shapes = list(next((r["step_ms"] for r in choice.ranked if r.get("step_ms")), {}))
+    table = Table(title=f"Decoder targets for {path.name} ({runner.dtype}), best first", title_justify="left")
+    for col in ("target", "runtime", "relative time", *[f"{s} ms" for s in shapes]):
+        table.add_column(col)
+    for r in choice.ranked:
+        ms = r.get("step_ms") or {}
+        table.add_row(r["label"], r["runtime"], f"{r['score']:.2f}" if "score" in r else "-",
+                      *[f"{ms[s]:.2f}" if s in ms else "-" for s in shapes])
+    out.print(table)
+    for d in choice.declined:
+        out.print(f"declined: {d['label']}: {d['reason']}")
+    out.print(f"runs on [bold]{choice.chosen}[/bold]: {choice.reason}")
