@@ -35,8 +35,9 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
         return None  # the paged-attention operation is a CPU (and GPU-plugin) kernel; only the CPU is checked here
     base = {"device_id": device.id, "runtime": device.runtime, "runtime_version": runtime.version()}
     why = spec.unsupported(decoder_graph.SUPPORTED)
-    if why is None and spec.quantization:
-        why = "takes float weights only (the quantization plan would need NNCF-compressed weights)"
+    bits = {q.weight_bits for q in (spec.quantization or {}).values()}
+    if why is None and not bits <= {8, 4}:
+        why = f"compresses weights to 8 or 4 bits only, not {sorted(bits - {8, 4})}"
     if why is None and spec.dtype not in _OV_TYPES:
         why = f"computes in float32, bfloat16 or float16, not {spec.dtype}"
     if why is None and spec.dtype != "float32" and spec.dtype not in device.dtypes:
@@ -48,11 +49,14 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
     per_layer = spec.hidden_size * ((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim) \
         + spec.num_heads * spec.head_dim * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size
     edges = spec.vocab_size * spec.hidden_size * ((a == 0) + (b == spec.num_layers))
-    item = _BYTES[spec.dtype]
-    return DecoderBid(**base, precision=spec.dtype, kv_dtype=spec.dtype, block_size=BLOCK_SIZE,
-                      weight_bytes=(n * per_layer + edges) * item,
-                      kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * item, exit_layers=a == 0,
-                      note="OpenVINO PagedAttentionExtension, graph built from the spec's weights")
+    item = _BYTES[spec.dtype] if not bits else max(bits) / 8  # a rough size: the bulk compressed
+    precision = spec.dtype if not bits else ("int8" if bits == {8} else "int4" if bits == {4} else "mixed int8/int4")
+    return DecoderBid(**base, precision=precision, kv_dtype=spec.dtype, block_size=BLOCK_SIZE,
+                      weight_bytes=int((n * per_layer + edges) * item),
+                      kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * _BYTES[spec.dtype],
+                      exit_layers=a == 0,
+                      note="OpenVINO PagedAttentionExtension, graph built from the spec's weights"
+                      + (", weights compressed as the plan says" if bits else ""))
 
 
 class OpenVINODecoder:

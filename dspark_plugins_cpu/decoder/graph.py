@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import openvino as ov
 
     from dspark.sdk.decoder import DecoderSpec, LayerWeights
+    from dspark.types import QuantSpec
 
 # Features this graph implements (dspark.sdk.decoder.FEATURES); a spec needing others is declined.
 SUPPORTED = frozenset({"qkv_bias", "o_bias", "qk_norm"})
@@ -37,9 +38,38 @@ def _rms(ops: Any, x: Any, w: np.ndarray, eps: float) -> Any:
     return ops.multiply(norm, _const(ops, w))
 
 
-def _linear(ops: Any, x: Any, w: np.ndarray, bias: np.ndarray | None = None) -> Any:
-    """x @ w with w [in, out] stored as [out, in] (the fully-connected layout OpenVINO's CPU plugin packs)."""
-    y = ops.matmul(x, _const(ops, np.ascontiguousarray(w.T)), transpose_a=False, transpose_b=True)
+def _compressed(ops: Any, w: np.ndarray, q: QuantSpec) -> Any:
+    """``w`` [in, out] quantized as the canonical rounding does (dspark.sdk.quant), as the weight-compression
+    pattern OpenVINO's CPU plugin runs natively: int8/int4 constant -> Convert -> Multiply(scales), [out, in]."""
+    import openvino as ov
+
+    from dspark.sdk.quant import quantize_weight, unpack_int4
+
+    qw = quantize_weight(np.asarray(w, dtype=np.float32), q)
+    k, n = qw.shape
+    vals = unpack_int4(qw.data, k) if qw.bits == 4 else qw.data  # int8 [K, N]
+    g = qw.group_size
+    groups = qw.scales.shape[0]
+    if groups == 1:
+        c = ops.constant(np.ascontiguousarray(vals.T), dtype=ov.Type.i8 if qw.bits == 8 else ov.Type.i4)
+        return ops.multiply(ops.convert(c, "f32"), _const(ops, np.ascontiguousarray(qw.scales.T)))
+    padded = np.zeros((groups * g, n), dtype=np.int8)
+    padded[:k] = vals
+    blocks = np.ascontiguousarray(padded.reshape(groups, g, n).transpose(2, 0, 1))  # [out, groups, g]
+    c = ops.constant(blocks, dtype=ov.Type.i8 if qw.bits == 8 else ov.Type.i4)
+    deq = ops.multiply(ops.convert(c, "f32"), _const(ops, np.ascontiguousarray(qw.scales.T)[:, :, None]))
+    flat = ops.reshape(deq, _const(ops, [n, groups * g], np.int64), False)
+    if groups * g != k:
+        flat = ops.slice(flat, _const(ops, [0], np.int64), _const(ops, [k], np.int64), _const(ops, [1], np.int64),
+                         _const(ops, [1], np.int64))
+    return flat
+
+
+def _linear(ops: Any, x: Any, w: np.ndarray, bias: np.ndarray | None = None, q: QuantSpec | None = None) -> Any:
+    """x @ w with w [in, out] stored as [out, in] (the fully-connected layout OpenVINO's CPU plugin packs),
+    or compressed per ``q``."""
+    weight = _const(ops, np.ascontiguousarray(w.T)) if q is None else _compressed(ops, w, q)
+    y = ops.matmul(x, weight, transpose_a=False, transpose_b=True)
     return y if bias is None else ops.add(y, _const(ops, bias))
 
 
@@ -71,11 +101,16 @@ def _paged_attention(ops: Any, q: Any, k: Any, v: Any, kc: Any, vc: Any, pa: dic
     return node.output(0)
 
 
-def _layer(ops: Any, spec: DecoderSpec, L: LayerWeights, x: Any, cos: Any, sin: Any, kc: Any, vc: Any,
+def _layer(ops: Any, spec: DecoderSpec, n: int, L: LayerWeights, x: Any, cos: Any, sin: Any, kc: Any, vc: Any,
            pa: dict[str, Any]) -> Any:
     H, KVH, D, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
+    quant = spec.quantization or {}
+
+    def qs(name: str) -> QuantSpec | None:
+        return quant.get(f"model.layers.{n}.{name}")
+
     h = _rms(ops, x, L.in_norm, eps)
-    qkv = _linear(ops, h, L.qkv, L.qkv_bias)
+    qkv = _linear(ops, h, L.qkv, L.qkv_bias, qs("self_attn.qkv_proj"))
     q, k, v = ops.variadic_split(qkv, _const(ops, -1, np.int64),
                                  _const(ops, [H * D, KVH * D, KVH * D], np.int64)).outputs()
     q = ops.reshape(q, _const(ops, [-1, H, D], np.int64), False)
@@ -85,10 +120,11 @@ def _layer(ops: Any, spec: DecoderSpec, L: LayerWeights, x: Any, cos: Any, sin: 
     q = ops.reshape(_rope(ops, q, cos, sin), _const(ops, [-1, H * D], np.int64), False)
     k = ops.reshape(_rope(ops, k, cos, sin), _const(ops, [-1, KVH * D], np.int64), False)
     attn = _paged_attention(ops, q, k, v, kc, vc, pa, D ** -0.5, KVH, D)
-    x = ops.add(x, _linear(ops, attn, L.o, L.o_bias))
+    x = ops.add(x, _linear(ops, attn, L.o, L.o_bias, qs("self_attn.o_proj")))
     h = _rms(ops, x, L.post_norm, eps)
-    gate, up = ops.split(_linear(ops, h, L.gate_up), _const(ops, -1, np.int64), 2).outputs()
-    return ops.add(x, _linear(ops, ops.multiply(ops.swish(gate), up), L.down))
+    gate, up = ops.split(_linear(ops, h, L.gate_up, None, qs("mlp.gate_up_proj")), _const(ops, -1, np.int64),
+                         2).outputs()
+    return ops.add(x, _linear(ops, ops.multiply(ops.swish(gate), up), L.down, None, qs("mlp.down_proj")))
 
 
 def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool) -> ov.Model:
@@ -110,7 +146,17 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool) -> ov.Model
     i64, i32 = ov.Type.i64, ov.Type.i32
     if a == 0:
         ids = param("input_ids", [-1], i64)
-        x = ops.gather(_const(ops, w.embed), ids, _const(ops, 0, np.int64))
+        eq = (spec.quantization or {}).get("model.embed_tokens")
+        if eq is None:
+            x = ops.gather(_const(ops, w.embed), ids, _const(ops, 0, np.int64))
+        else:  # int8 rows and a scale per row, gathered then scaled
+            from dspark.sdk.quant import quantize_weight
+
+            qe = quantize_weight(np.asarray(w.embed.T, dtype=np.float32), eq)  # [hidden, vocab], scales [1, vocab]
+            rows = ops.gather(ops.constant(np.ascontiguousarray(qe.data.T), dtype=ov.Type.i8), ids,
+                              _const(ops, 0, np.int64))
+            scale = ops.gather(_const(ops, np.ascontiguousarray(qe.scales.T)), ids, _const(ops, 0, np.int64))
+            x = ops.multiply(ops.convert(rows, "f32"), scale)
     else:
         x = param("hidden", [-1, spec.hidden_size], ov.Type.f32)
     pos = param("position_ids", [-1], i64)
@@ -123,11 +169,11 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool) -> ov.Model
     for n in range(a, b):
         kc = param(f"key_cache.{n}", [-1, -1, -1, -1], ov.Type.dynamic)
         vc = param(f"value_cache.{n}", [-1, -1, -1, -1], ov.Type.dynamic)
-        x = _layer(ops, spec, w.layers[n], x, cos, sin, kc, vc, pa)
+        x = _layer(ops, spec, n, w.layers[n], x, cos, sin, kc, vc, pa)
     if head:
         rows = param("logit_rows", [-1], i64)
         x = _rms(ops, ops.gather(x, rows, axis0), w.norm, spec.rms_norm_eps)
-        out = ops.matmul(x, _const(ops, np.ascontiguousarray(w.head.T)), transpose_a=False, transpose_b=True)
+        out = _linear(ops, x, w.head, None, (spec.quantization or {}).get("lm_head"))
         name = "logits"
     else:
         out, name = x, "hidden"

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dspark.types import DecoderBid
+from dspark.types import DecoderBid, QuantSpec
 
 __all__ = ["FEATURES", "CompiledDecoder", "DecoderBid", "DecoderSpec", "DecoderWeights", "LayerWeights",
            "StepBatch"]
@@ -106,9 +106,12 @@ class DecoderSpec:
     exit_layers: tuple[int, ...] = ()
     max_num_tokens: int = 512  # the most rows of one step
     max_num_seqs: int = 256  # the most sequences of one step
-    # The engine's quantization plan, projection name -> precision ("int8", "int4", ...); None: float.
-    # A plugin that cannot run a precision natively declines the spec.
-    quantization: dict[str, str] | None = None
+    # The engine's quantization plan: weight name -> how it is quantized; None = float. Names are the
+    # engine's: ``model.layers.N.self_attn.qkv_proj``, ``...o_proj``, ``...mlp.gate_up_proj``,
+    # ``...mlp.down_proj``, ``lm_head`` (weights ``[in, out]`` as in :class:`LayerWeights`) and
+    # ``model.embed_tokens`` (per row: quantize ``embed.T``). ``dspark.sdk.quant.quantize_weight(w, spec)``
+    # gives the canonical values the torch runner uses. A plugin that cannot run one natively declines.
+    quantization: dict[str, QuantSpec] | None = None
     weights_fn: Callable[[], DecoderWeights] = field(repr=False, compare=False, default=lambda: _no_weights())
     rope_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] = field(repr=False, compare=False,
                                                                      default=lambda n: _no_weights())

@@ -23,7 +23,7 @@ from dspark.host import cache as disk
 from dspark.host.log import get_logger
 from dspark.llm.decoding.conformance import compare
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
-from dspark.llm.decoding.spec import make_spec
+from dspark.llm.decoding.spec import float_runner, make_spec
 from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from dspark.llm.config import EngineConfig
     from dspark.llm.runner.model import ModelRunner
     from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
-    from dspark.types import DecoderBid, Device
+    from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
 _NAMESPACE = "decoder-timings-v1"
@@ -78,11 +78,28 @@ def collect_bids(spec: DecoderSpec, host: PluginHost, inv: Inventory) -> list[tu
     return out
 
 
-def _probe(decoder: CompiledDecoder, reference: ModelRunner, dtype: str) -> str | None:
-    """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half: a few flips)."""
+def _fake_quant_reference(path: Path, dtype: torch.dtype, quant: dict[str, QuantSpec]) -> ModelRunner:
+    """The float checkpoint with the plan's weights quantized and dequantized as the canonical rounding does:
+    what a plugin running the plan natively should match (the engine's own kernels may have kept some float)."""
+    from dspark.llm.quantization.fake import fake_linear, quantize_rows_int8
+    from dspark.llm.runner.layout import EMBED
+
+    ref = float_runner(path, dtype)
+    for name, q in quant.items():
+        if name == EMBED:
+            ref.set_embedding_int8(*quantize_rows_int8(ref.embed))
+            continue
+        group = None if q.granularity == "per_channel" else q.group_size
+        ref.set_linear(name, fake_linear(ref.weight_t(name), q.weight_bits, group, q.activations == "dynamic_int8"))
+    return ref
+
+
+def _probe(decoder: CompiledDecoder, reference: ModelRunner, spec: DecoderSpec) -> str | None:
+    """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half precision or
+    quantized: a few flips; a broken decoder is far off both)."""
     r = compare(decoder, reference, prompt_lens=(5, 19), decode_steps=2, draft=3,
                 num_blocks=max(8, -(-64 // decoder.block_size) * 2 + 4))
-    tol, flips = (1e-2, 0.1) if dtype == "float32" else (1.0, 0.25)
+    tol, flips = (1e-2, 0.1) if spec.dtype == "float32" and not spec.quantization else (1.0, 0.25)
     if r.max_abs_diff > tol or r.flip_rate > flips:
         return (f"its logits differ from the torch runner's by up to {r.max_abs_diff:.3g} with "
                 f"{r.argmax_flips}/{r.rows} argmax flips on the probe scenario")
@@ -90,7 +107,7 @@ def _probe(decoder: CompiledDecoder, reference: ModelRunner, dtype: str) -> str 
 
 
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
-                   quantization: dict[str, str] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
+                   quantization: dict[str, QuantSpec] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
     """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'."""
     t0 = time.perf_counter()
     spec = make_spec(runner, path, max_num_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_batch_size,
@@ -108,6 +125,8 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         else:
             candidates.append((bid, dev))
     targets: list[Target] = []
+    reference = runner if not quantization or not candidates else _fake_quant_reference(path, runner.dtype,
+                                                                                          quantization)
     for bid, dev in candidates:
         label = f"{bid.plugin}@{bid.device_id}"
         compiled = host.call(bid.plugin, "dspark_compile_decoder", decoder=spec, device=dev)
@@ -117,7 +136,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                         device=dev.id)
             continue
         try:
-            bad = _probe(compiled, runner, spec.dtype)
+            bad = _probe(compiled, reference, spec)
         except Exception as exc:
             bad = f"the probe step raised {type(exc).__name__}: {exc}"
         if bad:

@@ -22,6 +22,8 @@ def why_torch_only(engine: LLMEngine) -> str | None:
         return "devices= places the torch runner's layers itself"
     if engine.dense_offload is not None:
         return "dense_offload runs the torch runner's MLP elsewhere"
+    if engine.gguf is not None and engine.quant_plan is not None:
+        return "a quantized GGUF file runs on the torch runner's int8 kernels (its float weights are not kept)"
     return None
 
 
@@ -40,7 +42,11 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
     from dspark.llm.decoding.choose import choose_decoder
 
     plan = engine.quant_plan
-    quant = None if plan is None else {lp.name: lp.precision for lp in plan.layers if lp.precision != "float"}
+    quant = None
+    if plan is not None:
+        from dspark.llm.quantization.apply import spec_for
+
+        quant = {lp.name: spec_for(lp) for lp in plan.layers if lp.precision != "float"}
     engine.runner, choice = choose_decoder(engine.runner, engine.model_path, cfg, host=engine.plugin_host,
                                            inv=engine.inventory, quantization=quant)
     page = getattr(engine.runner, "block_size", None) or cfg.page_size

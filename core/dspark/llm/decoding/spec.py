@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from dspark.sdk.decoder import DecoderSpec, DecoderWeights, LayerWeights
+from dspark.types import QuantSpec
 
 if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
@@ -78,18 +79,33 @@ def fingerprint(path: Path, runner: ModelRunner, extra: object = None) -> str:
     return h.hexdigest()[:16]
 
 
+def float_runner(path: Path, dtype: torch.dtype) -> ModelRunner:
+    """The checkpoint's float weights again (a quantized runner has dropped those it quantized)."""
+    from dspark.llm.runner.model import ModelRunner
+
+    return ModelRunner.from_pretrained(str(path), dtype)
+
+
 def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None = None,
               max_num_tokens: int = 512, max_num_seqs: int = 256,
-              quantization: dict[str, str] | None = None) -> DecoderSpec:
+              quantization: dict[str, QuantSpec] | None = None) -> DecoderSpec:
     c = runner.cfg
     rope = runner.ropes[0]
+    source: list[ModelRunner] = []
+
+    def weights_fn() -> DecoderWeights:
+        if not quantization:
+            return weights_of(runner)
+        if not source:  # loaded once per spec, on first use
+            source.append(float_runner(path, runner.dtype))
+        return weights_of(source[0])
 
     def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = rope.cos_sin(torch.arange(n), torch.float32)
         return cos.numpy(), sin.numpy()
 
     return DecoderSpec(
-        name=path.name, path=str(path), fingerprint=fingerprint(path, runner, quantization),
+        name=path.name, path=str(path), fingerprint=fingerprint(path, runner, {k: v.model_dump() for k, v in (quantization or {}).items()}),
         architecture=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
@@ -97,4 +113,4 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         dtype=str(runner.dtype).removeprefix("torch."), layers=layers or (0, c.num_hidden_layers),
         exit_layers=tuple(range(1, c.num_hidden_layers)), max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
-        weights_fn=lambda: weights_of(runner), rope_fn=rope_fn)
+        weights_fn=weights_fn, rope_fn=rope_fn)
