@@ -9,7 +9,9 @@ Modules: :mod:`.providers` (provider -> device table), :mod:`.session`
 (sessions that never fall back silently), :mod:`.bench` (cached
 microbenchmarks), :mod:`.probe`, :mod:`.support` (what a provider runs and
 answers right), :mod:`.bidding` (prices only), :mod:`.executable`,
-:mod:`.quantize` (int8/int4 variants in ONNX Runtime's quantized formats).
+:mod:`.quantize` (int8/int4 variants in ONNX Runtime's quantized formats),
+:mod:`.decoder` (with :mod:`.decoder.graph`: the whole LLM decoder as one graph
+around ``com.microsoft.GroupQueryAttention``, API 1.6).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, QuantSpec, Unavailable
+    from dspark.sdk import decoder as sdk_decoder
+    from dspark.types import Bid, DecoderBid, Device, QuantSpec, Unavailable
+    from dspark_plugins_npu.decoder import OrtDecoder
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.5"  # control-flow bodies (dspark.graph.body_op_types)
+DSPARK_API_VERSION = "1.6"  # whole-decoder targets: dspark_decoder_bid / dspark_compile_decoder
 PLUGIN_NAME = "npu"
 
 
@@ -60,3 +64,17 @@ def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subg
     # A format counts only if a session on the EP really runs it (strictly off the CPU).
     return quantize(subgraph, device, spec, PLUGIN_NAME,
                     accepts=lambda variant: support.why_not(variant, ep, index) is None)
+
+
+@hookimpl
+def dspark_decoder_bid(decoder: sdk_decoder.DecoderSpec, device: Device) -> DecoderBid | None:
+    from dspark_plugins_npu.decoder import decoder_bid
+
+    return decoder_bid(decoder, device)
+
+
+@hookimpl
+def dspark_compile_decoder(decoder: sdk_decoder.DecoderSpec, device: Device) -> OrtDecoder | None:
+    from dspark_plugins_npu.decoder import compile_decoder
+
+    return compile_decoder(decoder, device)

@@ -43,7 +43,7 @@ def _compressed(ops: Any, w: np.ndarray, q: QuantSpec) -> Any:
     pattern OpenVINO's CPU plugin runs natively: int8/int4 constant -> Convert -> Multiply(scales), [out, in]."""
     import openvino as ov
 
-    from dspark.sdk.quant import quantize_weight, unpack_int4
+    from dspark.sdk import quantize_weight, unpack_int4
 
     qw = quantize_weight(np.asarray(w, dtype=np.float32), q)
     k, n = qw.shape
@@ -150,7 +150,7 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool) -> ov.Model
         if eq is None:
             x = ops.gather(_const(ops, w.embed), ids, _const(ops, 0, np.int64))
         else:  # int8 rows and a scale per row, gathered then scaled
-            from dspark.sdk.quant import quantize_weight
+            from dspark.sdk import quantize_weight
 
             qe = quantize_weight(np.asarray(w.embed.T, dtype=np.float32), eq)  # [hidden, vocab], scales [1, vocab]
             rows = ops.gather(ops.constant(np.ascontiguousarray(qe.data.T), dtype=ov.Type.i8), ids,

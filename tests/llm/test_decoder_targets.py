@@ -168,3 +168,62 @@ def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: b
     fault = host.last_fault("faulty")
     assert fault is not None and fault.hook == "decoder.step"
     assert ("did not return within" if hang else "device lost") in fault.reason
+
+
+# -- HF checkpoints and quantized plans ---------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["llama_tied_mha", "llama3", "qwen2"])
+def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None:
+    """Tied embeddings with MHA, Llama 3's RoPE scaling, Qwen2's q/k/v biases and a single KV head."""
+    path = checkpoint(variant)
+    prompts = [[5, 9, 13, 2, 7] * 3, [11, 3, 8]]
+
+    def run(decoder: str) -> tuple[list[list[int]], LLMEngine]:
+        e = LLMEngine(path, dtype="float32", decoder=decoder, max_batch_size=4)
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        return [out[str(i)] for i in range(len(prompts))], e
+
+    ref, _ = run("torch")
+    got, e = run("cpu")
+    assert e.stats().decoder == "cpu@cpu", e.decoder_choice
+    assert got == ref
+
+
+def test_a_feature_the_plugin_lacks_is_declined_with_the_reason(checkpoint: Any) -> None:
+    import json as _json
+
+    path = checkpoint("mistral")
+    cfg = _json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = 8
+    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    (path.parent / "sw").mkdir(exist_ok=True)
+    for f in path.iterdir():
+        (path.parent / "sw" / f.name).write_bytes(f.read_bytes())
+    (path.parent / "sw" / "config.json").write_text(_json.dumps(cfg))
+    e = LLMEngine(path.parent / "sw", dtype="float32", decoder="cpu")
+    c = e.decoder_choice
+    assert c is not None and c.chosen == "torch" and e.stats().decoder == "torch"
+    assert any(d["label"] == "cpu@cpu" and "sliding_window" in d["reason"] for d in c.declined), c.declined
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: str) -> None:
+    path = checkpoint("llama")
+    q = {"method": method, "activations": "float", "group_size": 32, "calibration_samples": 1,
+         "calibration_seq_len": 16}
+    ref = LLMEngine(path, dtype="float32", decoder="torch", quantization=q)
+    e = LLMEngine(path, dtype="float32", decoder="cpu", quantization=q)
+    assert e.stats().decoder == "cpu@cpu", e.decoder_choice
+    plan = e.runner.current.compiled.spec.quantization  # int4: the embedding stays int8 (a gather)
+    assert plan and {s.weight_bits for s in plan.values()} == ({8} if method == "int8" else {4, 8})
+    outs = []
+    for eng in (ref, e):
+        eng.add_request("a", [5, 9, 13, 2, 7, 4], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        while eng.has_unfinished():
+            done = [o for o in eng.step() if o.finished]
+            if done:
+                outs.append(done[0].token_ids)
+    assert outs[0] == outs[1]

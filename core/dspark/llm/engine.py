@@ -105,6 +105,12 @@ class LLMEngine:
             self._plugin_host = PluginHost().load()
         return self._plugin_host
 
+    def place_decoder(self, runner: Any, path: Path, max_total_tokens: int) -> tuple[Any, Any]:
+        """(runner, choice) for another model this engine runs (the draft model), placed as its own decoder."""
+        from dspark.llm.decoding.setup import place_other
+
+        return place_other(self, runner, path, max_total_tokens)
+
     @property
     def inventory(self) -> Inventory:
         """The devices the engine's plugin host reports, probed once, on first need."""

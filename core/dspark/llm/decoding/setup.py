@@ -51,3 +51,14 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
                                            inv=engine.inventory, quantization=quant)
     page = getattr(engine.runner, "block_size", None) or cfg.page_size
     return packed, choice, page
+
+
+def place_other(engine: LLMEngine, runner: Any, path: Any, max_total_tokens: int) -> tuple[Any, DecoderChoice | None]:
+    """Another model the engine runs (DeepSpec's draft model), placed as the engine's own decoder was:
+    the same setting, plugins, devices and measurements."""
+    if why_torch_only(engine) is not None:
+        return runner, None
+    from dspark.llm.decoding.choose import choose_decoder
+
+    cfg = engine.config.model_copy(update={"max_total_tokens": max_total_tokens})
+    return choose_decoder(runner, path, cfg, host=engine.plugin_host, inv=engine.inventory)

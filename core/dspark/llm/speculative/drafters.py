@@ -138,13 +138,9 @@ class DraftModelDrafter:
 
         pack_runner(self.runner, "auto")  # batched drafting steps run several rows
         self.decoder_choice = None
-        cfg = getattr(runtime, "config", None)
-        if cfg is not None and cfg.decoder != "torch" and getattr(runtime, "placement", None) is None:
-            from dspark.llm.decoding.choose import choose_decoder
-
-            self.runner, self.decoder_choice = choose_decoder(
-                self.runner, self.path, cfg.model_copy(update={"max_total_tokens": max_total_tokens}),
-                host=runtime.plugin_host, inv=runtime.inventory)
+        place = getattr(runtime, "place_decoder", None)
+        if place is not None:
+            self.runner, self.decoder_choice = place(self.runner, self.path, max_total_tokens)
             page_size = getattr(self.runner, "block_size", None) or page_size
         self.cache = self.runner.make_cache(-(-max_total_tokens // page_size), page_size)
         self.toks: dict[str, list[int]] = {}  # per sequence, the tokens whose K/V are in self.cache
