@@ -30,7 +30,7 @@ PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "cl
 
 
 def _run(engine: LLMEngine, params: list[SamplingParams], prios: list[int] | None = None) -> dict[str, Any]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(str(i), p, sp, priority=(prios or [0] * len(PROMPTS))[i])
     out: dict[str, Any] = {}
     while engine.has_unfinished():

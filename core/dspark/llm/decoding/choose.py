@@ -196,7 +196,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, spec: Decoder
     everyone = [*targets, ref]
     cached = [disk.load(_NAMESPACE, _key(t, spec, names)) for t in everyone]
     if all(c is not None for c in cached):
-        for t, c in zip(everyone, cached):
+        for t, c in zip(everyone, cached, strict=True):
             t.step_ms = dict(c)
     else:
         benches = {}

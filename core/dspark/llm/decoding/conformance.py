@@ -54,7 +54,7 @@ def compare(decoder: CompiledDecoder, runner: ModelRunner, *, seed: int = 0, pro
         got = split_logits(chunks, _as_tensor(decoder.step(kv, batch)).float())
         for ch in chunks:
             mine.set_len(ch.seq_id, mine.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
-        for w, o in zip(want, got):
+        for w, o in zip(want, got, strict=True):
             w2, o2 = w.reshape(-1, vocab).float(), o.reshape(-1, vocab)
             worst = max(worst, float((w2 - o2).abs().max()))
             rows += w2.shape[0]

@@ -81,7 +81,7 @@ def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int =
     out: dict[str, dict[str, float]] = {k: {} for k in benches}
     for shape in shape_list:
         samples: dict[str, list[float]] = {k: [] for k in benches}
-        for k, b in benches.items():  # one untimed run each: first-touch of buffers, kernel selection
+        for b in benches.values():  # one untimed run each: first-touch of buffers, kernel selection
             b.run(shape)
         for _ in range(reps):
             for k, b in benches.items():
