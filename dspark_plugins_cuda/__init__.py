@@ -3,7 +3,9 @@
 Probes NVIDIA GPUs through NVML, measures their compute and memory bandwidth
 with torch microbenchmarks (cached), bids a roofline estimate and runs
 subgraphs with torch on the GPU. Quantized variants of MatMul subgraphs
-(int8 / int4 weights) run on its Triton kernels (:mod:`.triton_quant`).
+(int8 / int4 weights) run on its Triton kernels (:mod:`.triton_quant`). The
+LLM engine's whole decoder runs in torch with Triton paged attention and CUDA
+graphs for decode steps (:mod:`.decoder`, :mod:`.decoder.triton_paged`).
 Importing this module is cheap: NVML, torch, Triton and the plugin's own
 modules are imported inside the hooks.
 
@@ -20,9 +22,12 @@ from dspark.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.types import Bid, Device, Executable, QuantSpec, Unavailable
+    from dspark.sdk import decoder as sdk_decoder
+    from dspark.types import Bid, DecoderBid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.4"  # imports only the public plugin API (dspark.sdk for the reference executor)
+# 1.6: whole-decoder targets (dspark_decoder_bid / dspark_compile_decoder). Imports only the public
+# plugin API (dspark.sdk for the reference executor and the decoder types).
+DSPARK_API_VERSION = "1.6"
 
 
 @hookimpl
@@ -51,3 +56,17 @@ def dspark_quantize(subgraph: Subgraph, device: Device, spec: QuantSpec) -> Subg
     from dspark_plugins_cuda.quantize import quantize
 
     return quantize(subgraph, device, spec)
+
+
+@hookimpl
+def dspark_decoder_bid(decoder: sdk_decoder.DecoderSpec, device: Device) -> DecoderBid | None:
+    from dspark_plugins_cuda.decoder import decoder_bid
+
+    return decoder_bid(decoder, device)
+
+
+@hookimpl
+def dspark_compile_decoder(decoder: sdk_decoder.DecoderSpec, device: Device) -> sdk_decoder.CompiledDecoder | None:
+    from dspark_plugins_cuda.decoder import compile_decoder
+
+    return compile_decoder(decoder, device)

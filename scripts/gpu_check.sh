@@ -36,4 +36,9 @@ cat "$out/devices.txt"
 # The Triton quantization kernels compiled on the GPU; -s prints their per-call timings.
 .venv/bin/pytest -q -rs -s tests/plugins/test_cuda_triton_quant.py 2>&1 | tee "$out/pytest_triton_quant.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# The whole decoder (torch + Triton paged attention + CUDA graphs) against the torch reference, compiled
+# on the GPU: the test module only falls back to Triton's interpreter where CUDA is absent or
+# TRITON_INTERPRET=1 is set, so make sure it is not.
+env -u TRITON_INTERPRET .venv/bin/pytest -q -rs tests/plugins/test_cuda_decoder.py 2>&1 | tee "$out/pytest_decoder.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
