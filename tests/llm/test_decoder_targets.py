@@ -227,3 +227,49 @@ def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: s
             if done:
                 outs.append(done[0].token_ids)
     assert outs[0] == outs[1]
+
+
+# -- a model no single device holds -------------------------------------------------------------------
+class _Capped:
+    """A real plugin's decoder on a device reported with only ``free`` bytes of memory."""
+
+    DSPARK_API_VERSION = "1.6"
+
+    def __init__(self, module: Any, free: int) -> None:
+        self.module, self.free = module, free
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"memory_free_bytes": self.free, "memory_total_bytes": self.free})
+                for d in self.module.dspark_probe_devices(refresh) if getattr(d, "id", None) == "cpu"]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return self.module.dspark_decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        return self.module.dspark_compile_decoder(decoder, device)
+
+
+def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
+    import dspark_plugins_cpu
+    import dspark_plugins_npu
+
+    e0 = _engine("torch")
+    spec_bytes = e0.runner.weight_bytes() + e0.runner.kv_bytes_per_token() * e0.config.max_total_tokens
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(_Capped(dspark_plugins_cpu, int(spec_bytes * 0.6)), "small_ov")  # ~60% of the model each
+    host.register(_Capped(dspark_plugins_npu, int(spec_bytes * 0.6)), "small_ort")
+    host.load()
+    e = LLMEngine(MODEL, dtype="float32", decoder="small_ov,small_ort", plugin_host=host, max_batch_size=8)
+    c = e.decoder_choice
+    assert c is not None and {d["label"] for d in c.declined} >= {"small_ov@cpu", "small_ort@cpu"}
+    assert all("MiB free" in d["reason"] for d in c.declined if d["label"].startswith("small_"))
+    chain = c.ranked[0]
+    assert c.chosen == chain["label"] and e.stats().decoder == chain["label"]
+    assert chain["label"].startswith("small_ov@cpu[0:") and "+ small_ort@cpu[" in chain["label"], c.ranked
+    assert "hidden state handed over" in chain["note"]
+    ref = _run(_engine("torch", max_batch_size=8), _greedy(16))
+    got = _run(e, _greedy(16))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}

@@ -227,8 +227,9 @@ class EngineConfig(BaseModel):
         default_factory=lambda: os.environ.get("DSPARK_DECODER", "auto"),
         description="what runs the decoder: 'auto' = the plugins' compiled decoders bid (dspark_decoder_bid) "
         "and the one measured fastest at the engine's step shapes runs, the built-in torch runner being one "
-        "contender and the fallback; 'torch' = the built-in runner only; or 'PLUGIN' / 'PLUGIN@DEVICE' to "
-        "run on that plugin's decoder (docs/decoders.md); the default is $DSPARK_DECODER or 'auto'")
+        "contender and the fallback; 'torch' = the built-in runner only; or 'PLUGIN' / 'PLUGIN@DEVICE', "
+        "comma-separated, to run on those plugins' decoders in that order, without timing (docs/decoders.md); "
+        "the default is $DSPARK_DECODER or 'auto'")
     speculative: SpeculativeConfig = Field(
         default_factory=lambda: SpeculativeConfig(enabled=False), alias="speculative_decoding",
         description="speculative decoding; a dict of SpeculativeConfig fields, or true/false")
@@ -242,6 +243,8 @@ class EngineConfig(BaseModel):
     def _check_decoder(cls, v: str) -> str:
         import re
 
-        if v not in ("auto", "torch") and not re.fullmatch(r"[A-Za-z0-9_.-]+(@[a-z0-9_]+(:[0-9]+)?)?", v):
-            raise ValueError(f"decoder must be 'auto', 'torch', 'PLUGIN' or 'PLUGIN@DEVICE' (e.g. 'cpu@cpu'), got {v!r}")
+        one = r"[A-Za-z0-9_.-]+(@[a-z0-9_]+(:[0-9]+)?)?"
+        if v not in ("auto", "torch") and not re.fullmatch(rf"{one}(,{one})*", v):
+            raise ValueError(f"decoder must be 'auto', 'torch', or PLUGIN / PLUGIN@DEVICE, comma-separated "
+                             f"(e.g. 'cpu@cpu' or 'cpu,npu'), got {v!r}")
         return v

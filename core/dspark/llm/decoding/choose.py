@@ -21,6 +21,7 @@ import torch
 
 from dspark.host import cache as disk
 from dspark.host.log import get_logger
+from dspark.llm.decoding import split
 from dspark.llm.decoding.conformance import compare
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import float_runner, make_spec
@@ -55,10 +56,14 @@ class DecoderChoice:
 
 
 def _wanted(choice: str, bid: DecoderBid) -> bool:
+    """``choice``: 'auto', or a comma-separated list of PLUGIN or PLUGIN@DEVICE."""
     if choice == "auto":
         return True
-    plugin, _, device = choice.partition("@")
-    return bid.plugin == plugin and (not device or bid.device_id == device)
+    for one in choice.split(","):
+        plugin, _, device = one.partition("@")
+        if bid.plugin == plugin and (not device or bid.device_id == device):
+            return True
+    return False
 
 
 def _fits(bid: DecoderBid, device: Device, max_tokens: int) -> str | None:
@@ -106,6 +111,39 @@ def _probe(decoder: CompiledDecoder, reference: ModelRunner, spec: DecoderSpec) 
     return None
 
 
+def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost,
+           declined: list[dict[str, str]]) -> bool:
+    """Run the probe scenario on ``t``; a wrong or failing decoder is charged to its plugin and left out."""
+    assert t.compiled is not None
+    try:
+        bad = _probe(t.compiled, reference, spec)
+    except Exception as exc:
+        bad = f"the probe step raised {type(exc).__name__}: {exc}"
+    if bad:
+        declined.append({"label": t.label, "reason": bad})
+        part = getattr(t.compiled, "failed_part", None)
+        plugin, device = (part.plugin, part.device.id) if part is not None else (t.plugin, t.device_id)
+        if plugin is not None:
+            host.charge(plugin, "decoder.probe", bad, device=device)
+    return not bad
+
+
+def _split(host: PluginHost, spec: DecoderSpec, short: list[tuple[DecoderBid, Device]], max_tokens: int,
+           declined: list[dict[str, str]]) -> Target | None:
+    plan = split.assign(short, spec, max_tokens)
+    if plan is None:
+        declined.append({"label": "layer ranges", "reason": "the devices that bid cannot hold it together"})
+        return None
+    chain = split.build(host, spec, plan)
+    if isinstance(chain, str):
+        declined.append({"label": "layer ranges", "reason": chain})
+        return None
+    hand = {n: split.handover_s(spec, plan, t) * 1e3 for n, t in (("decode_b1", 1), ("prefill_128", 128))}
+    runtimes = " + ".join(dict.fromkeys(b.runtime for b, _, _ in plan))
+    return Target(chain.describe(), runtimes, chain, None, None, exit_layers=True, any_block=False,
+                  note="hidden state handed over: " + ", ".join(f"{k} {v:.3f} ms" for k, v in hand.items()))
+
+
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
                    quantization: dict[str, QuantSpec] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
     """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'."""
@@ -115,18 +153,21 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     max_tokens = cfg.max_total_tokens or 8192
     declined: list[dict[str, str]] = []
     candidates: list[tuple[DecoderBid, Device]] = []
+    short: list[tuple[DecoderBid, Device]] = []  # bid, but the device's memory cannot hold the whole model
     for bid, dev in collect_bids(spec, host, inv):
         label = f"{bid.plugin}@{bid.device_id}"
         if not _wanted(cfg.decoder, bid):
             continue
-        why = bid.declined or _fits(bid, dev, max_tokens)
-        if why:
-            declined.append({"label": label, "reason": why})
+        small = None if bid.declined else _fits(bid, dev, max_tokens)
+        if bid.declined or small:
+            declined.append({"label": label, "reason": bid.declined or small or ""})
+            if small:
+                short.append((bid, dev))
         else:
             candidates.append((bid, dev))
     targets: list[Target] = []
-    reference = runner if not quantization or not candidates else _fake_quant_reference(path, runner.dtype,
-                                                                                          quantization)
+    reference = runner if not quantization or not (candidates or short) else _fake_quant_reference(
+        path, runner.dtype, quantization)
     for bid, dev in candidates:
         label = f"{bid.plugin}@{bid.device_id}"
         compiled = host.call(bid.plugin, "dspark_compile_decoder", decoder=spec, device=dev)
@@ -135,16 +176,14 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
             host.charge(bid.plugin, "dspark_compile_decoder", "bid on the decoder, then returned None",
                         device=dev.id)
             continue
-        try:
-            bad = _probe(compiled, reference, spec)
-        except Exception as exc:
-            bad = f"the probe step raised {type(exc).__name__}: {exc}"
-        if bad:
-            declined.append({"label": label, "reason": bad})
-            host.charge(bid.plugin, "decoder.probe", bad, device=dev.id)
-            continue
-        targets.append(Target(label, bid.runtime, compiled, bid.plugin, dev.id, exit_layers=bid.exit_layers,
-                              note=bid.note))
+        t = Target(label, bid.runtime, compiled, bid.plugin, dev.id, exit_layers=bid.exit_layers, note=bid.note,
+                   any_block=bid.block_size is None)
+        if _admit(t, reference, spec, host, declined):
+            targets.append(t)
+    if not targets and len(short) > 1:  # no device holds it: layer ranges over several
+        chain = _split(host, spec, short, max_tokens, declined)
+        if chain is not None and _admit(chain, reference, spec, host, declined):
+            targets.append(chain)
     ref = Target(REFERENCE, f"torch {torch.__version__}")
     if not targets:
         why = "no plugin bid on the decoder" if not declined else "every bid was declined"
@@ -160,14 +199,17 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         ranked = [*targets, ref]
         why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
     first = ranked[0]
-    rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms}
-            for t in ranked]
+    rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
+             **({"note": t.note} if t.note else {})} for t in ranked]
     if first.is_reference:
         choice = DecoderChoice(REFERENCE, why.format(_beat(first, ranked)), rows, declined,
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
     block = first.compiled.block_size  # type: ignore[union-attr]
+    for t in ranked:  # a bid of block_size=None takes the winner's layout (failover keeps the block tables)
+        if t.any_block and t is not first:
+            t.compiled.block_size = block  # type: ignore[union-attr]
     chain = [t for t in ranked if t.is_reference or t.compiled.block_size == block]  # type: ignore[union-attr]
     chain = chain[: chain.index(next(t for t in chain if t.is_reference)) + 1]
     choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,

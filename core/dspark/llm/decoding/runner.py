@@ -53,6 +53,7 @@ class Target:
     exit_layers: bool = True
     note: str = ""
     score: float = 1.0  # mean step time relative to the torch runner's (timing.score)
+    any_block: bool = False  # its bid took any KV block size: the engine may set compiled.block_size
 
     @property
     def is_reference(self) -> bool:
@@ -115,8 +116,12 @@ class DecoderRunner:
                     out = self.reference.step(cache, chunks, exit_layer)
                     self._record(cache, chunks, advanced=True)
                     return out
+                if exit_layer is not None and not target.exit_layers:
+                    raise NotImplementedError(f"{target.label} runs no early exit")
                 try:
                     return self._compiled_step(target, cache, chunks, exit_layer)
+                except NotImplementedError:  # a step shape the target does not offer (an early exit): not a fault
+                    raise
                 except Exception as exc:  # a plugin's fault: report, move on, recompute, run the step again
                     self._failover(target, f"{type(exc).__name__}: {exc}")
 
@@ -163,8 +168,10 @@ class DecoderRunner:
         i = self.targets.index(failed)
         nxt = self.targets[i + 1]
         log.error("llm.decoder.failover", failed=failed.label, reason=reason, next=nxt.label)
-        if self.host is not None and failed.plugin is not None:
-            self.host.charge(failed.plugin, "decoder.step", reason, device=failed.device_id)
+        part = getattr(failed.compiled, "failed_part", None)  # a chain of ranges: the range that failed
+        plugin, device = (part.plugin, part.device.id) if part is not None else (failed.plugin, failed.device_id)
+        if self.host is not None and plugin is not None:
+            self.host.charge(plugin, "decoder.step", reason, device=device)
         self.failovers.append({"from": failed.label, "to": nxt.label, "reason": reason, "time": time.time()})
         self.current = nxt
         t0 = time.perf_counter()
