@@ -236,6 +236,9 @@ def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> CompiledDeco
     When: for each bid being timed, and for the winner at engine start. The
     same spec may be compiled more than once per process (cache what you can).
 
+    :param decoder: the spec this plugin bid on (a whole decoder or a range).
+    :param device: one of the plugin's own devices, the one it bid for.
+
     Return a :class:`~dspark.sdk.decoder.CompiledDecoder`: ``block_size``,
     ``allocate(num_blocks)`` (KV memory on the device, in the engine's blocks)
     and ``step(kv, batch)`` (one :class:`~dspark.sdk.decoder.StepBatch`; logits

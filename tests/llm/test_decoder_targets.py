@@ -273,3 +273,39 @@ def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
     ref = _run(_engine("torch", max_batch_size=8), _greedy(16))
     got = _run(e, _greedy(16))
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+
+
+# -- the hooks' contract, as the plugin host enforces it --------------------------------------------
+class _Liar:
+    """Bids for a device it was not asked about, and compiles to something without step()."""
+
+    DSPARK_API_VERSION = "1.6"
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"runtime": "liar/CPU"}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return {"device_id": "npu:0", "runtime": "liar/CPU"}
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        return object()
+
+
+def test_the_host_rejects_malformed_decoder_hook_results() -> None:
+    from dspark.host.inventory import probe
+    from dspark.llm.decoding.spec import make_spec
+    from dspark.llm.runner.model import ModelRunner
+
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(_Liar(), "liar")
+    host.load()
+    dev = next(d for d in probe(host).drivers() if d.plugin == "liar")
+    spec = make_spec(ModelRunner.from_pretrained(str(MODEL), "float32"), MODEL)
+    assert host.call("liar", "dspark_decoder_bid", decoder=spec, device=dev) is None
+    assert "returned a bid for device 'npu:0'" in host.last_fault("liar").reason
+    host.forgive("liar")
+    assert host.call("liar", "dspark_compile_decoder", decoder=spec, device=dev) is None
+    assert "lacks block_size, allocate(num_blocks) or step(kv, batch)" in host.last_fault("liar").reason
