@@ -13,6 +13,7 @@ from dspark.llm.config import EngineConfig
 from dspark.llm.gguf import load_runner
 from dspark.llm.logits import (
     LogprobsPrefix,
+    argmax_rows,
     TokenLogprobs,
     batch_logprobs,
     process,
@@ -257,7 +258,7 @@ class LLMEngine:
             # speculation every row samples in turn, keeping the order the shared generator is drawn in.
             greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
             if len(greedy) > 1:
-                picks = dict(zip(greedy, torch.stack([logits[i] for i in greedy]).argmax(-1).tolist()))
+                picks = dict(zip(greedy, argmax_rows([logits[i] for i in greedy])))
             picks.update(self._sample_processed(planned, logits))
         outputs = []
         for i, (p, lg) in enumerate(zip(planned, logits)):

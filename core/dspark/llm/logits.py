@@ -238,3 +238,18 @@ def _counts(seq: Any, vocab: int) -> PenaltyCounts:
     if pc is None or pc.vocab != vocab:
         pc = seq.penalty_counts = PenaltyCounts(seq.prompt_ids, vocab)
     return pc.sync(seq.output_ids)
+
+
+def argmax_rows(rows: Seq[torch.Tensor]) -> list[int]:
+    """Greedy picks of several fp32 rows at once. Rows that are consecutive views of one tensor (a
+    compiled decoder's logits) are read in place rather than stacked; numpy's argmax over a batch
+    on the CPU is several times faster than torch's."""
+    first = rows[0]
+    n, v = len(rows), first.shape[-1]
+    flat = (first.device.type == "cpu" and first.dtype == torch.float32 and first.is_contiguous()
+            and all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    and r.storage_offset() == first.storage_offset() + i * v for i, r in enumerate(rows)))
+    x = first.as_strided((n, v), (v, 1)) if flat else torch.stack(list(rows))
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.numpy().argmax(-1).tolist()  # first maximum, as torch.argmax
+    return x.argmax(-1).tolist()
