@@ -68,6 +68,8 @@ class OpenVINODecoder:
         self.config: dict[str, Any] = {
             "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": _OV_TYPES[spec.dtype],
             "KV_CACHE_PRECISION": _OV_TYPES[spec.dtype]}
+        if spec.threads > 0:  # the engine's thread budget (a server's cpu_cores_per_worker), not every core
+            self.config["INFERENCE_NUM_THREADS"] = spec.threads
         self._lock = threading.Lock()
         self._exits: dict[int, Any] = {}
         self.compiled = self._compile(spec.layers, head=spec.last)

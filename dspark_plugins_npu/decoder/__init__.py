@@ -102,9 +102,11 @@ def compile_decoder(spec: dec.DecoderSpec, device: Device) -> OrtDecoder | None:
 class _Session:
     """One graph's InferenceSession; its weights come from memory (shared with the spec's arrays)."""
 
-    def __init__(self, built: dg.Built, ep: str, index: int) -> None:
+    def __init__(self, built: dg.Built, ep: str, index: int, threads: int = 0) -> None:
         rt = session.ort()
         so = session.session_options(strict=ep != providers.CPU_EP)
+        if threads > 0:  # the engine's thread budget (a server's cpu_cores_per_worker), not every core
+            so.intra_op_num_threads = threads
         names = list(built.weights)
         # OrtValues over the arrays themselves: the session reads the engine's memory, no copy.
         self._values = [rt.OrtValue.ortvalue_from_numpy(built.weights[n]) for n in names]
@@ -135,11 +137,11 @@ _sessions_lock = threading.Lock()
 
 def _shared_session(spec: dec.DecoderSpec, weights: dec.DecoderWeights, stop: int | None, ep: str,
                     index: int) -> _Session:
-    key = (spec.fingerprint, spec.layers, stop, ep, index)
+    key = (spec.fingerprint, spec.layers, stop, ep, index, spec.threads)
     with _sessions_lock:
         found = _sessions.get(key)
         if found is None:
-            found = _Session(dg.build(spec, weights, stop=stop), ep, index)
+            found = _Session(dg.build(spec, weights, stop=stop), ep, index, spec.threads)
             _sessions[key] = found
         return found
 

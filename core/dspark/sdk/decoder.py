@@ -104,6 +104,7 @@ class DecoderSpec:
     # layers, then the final norm and head. A decoder without ``exit_layers`` support declines them in
     # its bid and the engine does not offer that drafter on it.
     exit_layers: tuple[int, ...] = ()
+    threads: int = 0  # the engine's compute threads (torch's intra-op threads); 0 = the runtime's default
     max_num_tokens: int = 512  # the most rows of one step
     max_num_seqs: int = 256  # the most sequences of one step
     # The engine's quantization plan: weight name -> how it is quantized; None = float. Names are the

@@ -111,6 +111,7 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=c.max_position_embeddings, features=features(runner),
         dtype=str(runner.dtype).removeprefix("torch."), layers=layers or (0, c.num_hidden_layers),
-        exit_layers=tuple(range(1, c.num_hidden_layers)), max_num_tokens=max_num_tokens,
+        exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
+        max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
         weights_fn=weights_fn, rope_fn=rope_fn)
