@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -61,12 +62,34 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}"
 
 
+def _sweep(args: argparse.Namespace, sweep_values: list[str], base: LoadConfig, max_batch: int,
+           reqs: list[Any], cfg_file: Path, problems: list[str]) -> list[Any]:
+    """(b) max_batch_size sweep: a fresh server per value, the same requests at the top concurrency."""
+    print(f"\n(b) max_batch_size sweep at concurrency {max_batch}, a fresh server per value\n", flush=True)
+    rows = sweep("max_batch_size", sweep_values, replace(base, concurrency=max_batch), reqs, args.out,
+                 config=cfg_file, progress=sys.stderr.isatty())
+    print("| max_batch_size | output tok/s | req/s | TTFT P50 ms | TTFT P99 ms | e2e P50 ms | e2e P99 ms | TPOT P99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r.summary
+        problems += check(f"max_batch_size {r.value}", s)
+        print(f"| {r.value} | {s.output_token_throughput:.1f} | {s.request_throughput:.2f} | {fmt(s.ttft_ms.p50)} "
+              f"| {fmt(s.ttft_ms.p99)} | {fmt(s.e2e_ms.p50)} | {fmt(s.e2e_ms.p99)} | {fmt(s.tpot_ms.p99, 1)} |")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(args.out / "sweep.png", args.plot)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer, shorter requests; sweep 1,8,64 (~2 min)")
     ap.add_argument("--requests", type=int, default=None, help="request set size (default 128, quick 48)")
     ap.add_argument("--levels", default="1,8,32,64", help="client concurrency levels (1 = one at a time)")
-    ap.add_argument("--sweep", default=None, help="max_batch_size values (default 1,4,16,64; quick 1,8,64)")
+    ap.add_argument("--sweep", default=None, help="max_batch_size values (default 1,4,16,64; quick 1,8,64; "
+                    "'none' skips the sweep)")
+    ap.add_argument("--decoder", default=None, help="the server's engine.decoder: auto (its default), torch, "
+                    "or PLUGIN[@DEVICE] (docs/decoders.md)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the levels this many times on the same server, in turn (load drift hits all "
                          "levels alike); a level's figures pool its rounds")
@@ -82,15 +105,16 @@ def main() -> None:
     n = args.requests or (48 if args.quick else 128)
     plen, olen = ((16, 128), (8, 64)) if args.quick else ((32, 256), (16, 128))
     levels = [int(x) for x in args.levels.split(",")]
-    sweep_values = (args.sweep or ("1,8,64" if args.quick else "1,4,16,64")).split(",")
+    sweep_values = [] if args.sweep == "none" else (args.sweep or ("1,8,64" if args.quick else "1,4,16,64")).split(",")
     max_batch = max(levels)
     args.out.mkdir(parents=True, exist_ok=True)
     reqs = default_workload(n, seed=args.seed, prompt_tokens=plen, max_tokens=olen)
     # KV for max_batch of the longest requests (+ BOS and a page of slack): no preemption at any level.
     kv_tokens = max(max_batch, *(int(v) for v in sweep_values)) * (plen[1] + olen[1] + 32)
+    decoder = f", decoder: {args.decoder}" if args.decoder else ""
     cfg_file = args.out / "server.yaml"
     cfg_file.write_text(f"model: {{dtype: {args.dtype}}}\n"
-                        f"engine: {{max_total_tokens: {kv_tokens}}}\n"
+                        f"engine: {{max_total_tokens: {kv_tokens}{decoder}}}\n"
                         f"resources: {{cpu_cores_per_worker: {args.threads}}}\n")
     out_tokens = sum(r.max_tokens for r in reqs)
     print(f"machine: {psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in psutil.getloadavg())}; "
@@ -135,25 +159,18 @@ def main() -> None:
               f"| {ratio(s.ttft_ms.p99, one.ttft_ms.p99 if one else None)} |")
 
     # (b) max_batch_size sweep: a fresh server per value, the same requests at the top concurrency.
-    print(f"\n(b) max_batch_size sweep at concurrency {max_batch}, a fresh server per value\n", flush=True)
-    rows = sweep("max_batch_size", sweep_values, replace(base, concurrency=max_batch), reqs, args.out,
-                 config=cfg_file, progress=sys.stderr.isatty())
-    print("| max_batch_size | output tok/s | req/s | TTFT P50 ms | TTFT P99 ms | e2e P50 ms | e2e P99 ms | TPOT P99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        s = r.summary
-        problems += check(f"max_batch_size {r.value}", s)
-        print(f"| {r.value} | {s.output_token_throughput:.1f} | {s.request_throughput:.2f} | {fmt(s.ttft_ms.p50)} "
-              f"| {fmt(s.ttft_ms.p99)} | {fmt(s.e2e_ms.p50)} | {fmt(s.e2e_ms.p99)} | {fmt(s.tpot_ms.p99, 1)} |")
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(args.out / "sweep.png", args.plot)
+    rows = []
+    if sweep_values:
+        rows = _sweep(args, sweep_values, base, max_batch, reqs, cfg_file, problems)
+    else:
+        print("\n(b) sweep skipped (--sweep none)")
     (args.out / "serve.json").write_text(json.dumps({
-        "requests": n, "rounds": args.rounds, "prompt_tokens": plen, "max_tokens": olen, "dtype": args.dtype, "threads": args.threads,
+        "requests": n, "rounds": args.rounds, "prompt_tokens": plen, "max_tokens": olen, "dtype": args.dtype,
+        "threads": args.threads, "decoder": args.decoder or "auto",
         "levels": {str(c): s.to_json_dict() for c, s in by_level.items()},
         "sweep": {r.value: r.summary.to_json_dict() for r in rows}}, indent=2))
-    print(f"\nwrote {args.out / 'sweep.csv'}, {args.out / 'sweep.png'}, {args.out / 'serve.json'}"
-          f"{', ' + args.plot if args.plot else ''}; total {time.perf_counter() - t_start:.0f} s")
+    print(f"\nwrote {args.out / 'serve.json'}{', the sweep CSV and plot' if rows else ''}; "
+          f"total {time.perf_counter() - t_start:.0f} s")
     if problems:
         print("\nFAILED checks:\n  " + "\n  ".join(problems))
         raise SystemExit(1)
