@@ -74,9 +74,14 @@ def _linear(ops: Any, x: Any, w: np.ndarray, bias: np.ndarray | None = None, q: 
 
 
 def _rope(ops: Any, x: Any, cos: Any, sin: Any) -> Any:
-    """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin, cos/sin [T, 1, D]."""
-    x1, x2 = ops.split(x, _const(ops, -1, np.int64), 2).outputs()
-    rot = ops.concat([ops.negative(x2), x1], -1)
+    """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin, cos/sin [T, 1, D]. Written with Slice and a
+    multiply by -1, the form OpenVINO's RoPE fusion matches: one fused RoPE node instead of six ops."""
+    half = x.get_output_partial_shape(0)[2].get_length() // 2
+    i64 = np.int64
+    x1 = ops.slice(x, _const(ops, [0], i64), _const(ops, [half], i64), _const(ops, [1], i64), _const(ops, [2], i64))
+    x2 = ops.slice(x, _const(ops, [half], i64), _const(ops, [2 * half], i64), _const(ops, [1], i64),
+                   _const(ops, [2], i64))
+    rot = ops.concat([ops.multiply(x2, _const(ops, -1.0)), x1], -1)
     return ops.add(ops.multiply(x, cos), ops.multiply(rot, sin))
 
 
