@@ -110,7 +110,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     reqs = default_workload(n, seed=args.seed, prompt_tokens=plen, max_tokens=olen)
     # KV for max_batch of the longest requests (+ BOS and a page of slack): no preemption at any level.
-    kv_tokens = max(max_batch, *(int(v) for v in sweep_values)) * (plen[1] + olen[1] + 32)
+    kv_tokens = max([max_batch, *(int(v) for v in sweep_values)]) * (plen[1] + olen[1] + 32)
     decoder = f", decoder: {args.decoder}" if args.decoder else ""
     cfg_file = args.out / "server.yaml"
     cfg_file.write_text(f"model: {{dtype: {args.dtype}}}\n"
