@@ -80,7 +80,10 @@ class DecoderRunner:
 
     # -- what the engine reads off a runner -------------------------------------------------
     def __getattr__(self, name: str) -> Any:  # cfg, dtype, linear_names, ... are the reference's
-        return getattr(self.__dict__["reference"], name)
+        reference = self.__dict__.get("reference")
+        if reference is None:  # before __init__ (copy, pickle): a plain missing attribute
+            raise AttributeError(name)
+        return getattr(reference, name)
 
     @property
     def block_size(self) -> int | None:
