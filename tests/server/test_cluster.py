@@ -199,7 +199,9 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
     assert not t.is_alive(), "the load never finished: something hung after the replica died"
     s = box["res"].summary()
     assert s.completed + s.failed == 160 and s.disconnected == 0
-    assert 2 <= s.failed <= 16, s  # only what had started streaming on the killed replica
+    # Only what had started streaming on the killed replica fails: at least the stream that was mid-generation
+    # when it died, at most its share of the clients (how many were streaming then is a matter of timing).
+    assert 1 <= s.failed <= 16, s
     assert set(s.errors) == {"stream_error"}, s.errors
     assert "engine_unavailable" in s.error_samples["stream_error"]
     for r in box["res"].results:
