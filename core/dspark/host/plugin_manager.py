@@ -373,11 +373,11 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
                 if isinstance(d, Device):
                     d.plugin = plugin
             return items
-        if hook == "dspark_bid":
-            bid = Bid.model_validate(raw)
+        if hook in ("dspark_bid", "dspark_decoder_bid"):  # a bid, for the device it was asked about
+            bid = (Bid if hook == "dspark_bid" else DecoderBid).model_validate(raw)
             bid.plugin = plugin
             if bid.device_id != kwargs["device"].id:
-                raise PluginError(f"plugin {plugin!r}: dspark_bid returned a bid for device "
+                raise PluginError(f"plugin {plugin!r}: {hook} returned a bid for device "
                                   f"{bid.device_id!r} when asked about {kwargs['device'].id!r}")
             return bid
         if hook == "dspark_compile":
@@ -390,13 +390,6 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
                 raise PluginError(f"plugin {plugin!r}: dspark_quantize must return a Subgraph with "
                                   f"quantized_by={plugin!r}, got {_summary(raw, 80)}")
             return raw
-        if hook == "dspark_decoder_bid":
-            dbid = DecoderBid.model_validate(raw)
-            dbid.plugin = plugin
-            if dbid.device_id != kwargs["device"].id:
-                raise PluginError(f"plugin {plugin!r}: dspark_decoder_bid returned a bid for device "
-                                  f"{dbid.device_id!r} when asked about {kwargs['device'].id!r}")
-            return dbid
         if hook == "dspark_compile_decoder":
             if not (isinstance(getattr(raw, "block_size", None), int) and callable(getattr(raw, "allocate", None))
                     and callable(getattr(raw, "step", None))):
