@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -67,9 +68,14 @@ class _Null:
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
+    """Medians in us; blocks of ``block`` runs (after one untimed), in a shuffled order each round so that
+    no contender always follows the same one."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    rng, order = random.Random(0), list(fns)
     for _ in range(max(1, runs // block)):
-        for k, fn in fns.items():
+        rng.shuffle(order)
+        for k in order:
+            fn = fns[k]
             fn()
             for _ in range(block):
                 t = time.perf_counter()

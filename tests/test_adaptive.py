@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from dspark import TOLERANCES, hookimpl
-from dspark.placement.adaptive import AdaptiveRunner
+from dspark.placement.adaptive import LEARN_ALL, LEARN_EVERY, AdaptiveRunner
 from dspark.placement.placer import plan_memory_needs
 from dspark.cli.demo import demo_graph
 from dspark.placement.executor import random_inputs, reference_outputs
@@ -171,6 +171,24 @@ def test_concurrent_callers_are_all_served_across_a_swap(
     assert runner.replans and "slow-ov@cpu" not in targets(runner)
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
     assert {r.plan_version for r in runner.history} >= {0, 1}
+
+
+def test_learning_is_sampled_after_a_plans_first_runs(demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    """Every run of a plan's first LEARN_ALL teaches the cost model, then one in LEARN_EVERY; all are served."""
+    graph, x, ref = demo
+    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu"})).load()  # OpenVINO alone
+    inv = probe(host)
+    runner = AdaptiveRunner(graph, host, inv, measure_close=False)
+    if targets(runner) != {"cpu@cpu"}:
+        pytest.skip(f"OpenVINO does not run the demo here: {runner.plan.gate}")
+    n = LEARN_ALL + 2 * LEARN_EVERY
+    for _ in range(n):
+        np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    runner.settle()
+    assert runner.replans == []
+    assert [r.index for r in runner.history] == [*range(1, LEARN_ALL + 1), LEARN_ALL + LEARN_EVERY, n]
+    assert runner.prediction_error()["samples"] == LEARN_ALL + 2
+    assert runner.compiled.history[runner.plan.partitions[0].id][-1] > 0  # the plan still times every run
 
 
 def test_memory_shrinking_below_the_plan_forces_a_replan(

@@ -206,3 +206,35 @@ def test_unknown_target_is_rejected() -> None:
     _, inv = fake()
     with pytest.raises(PlanError, match="nowhere@cpu"):
         forced_plan(branchy_graph(), inv, lambda op: "nowhere@cpu")
+
+
+def test_one_partition_plan_checks_and_conforms_what_its_executable_returns() -> None:
+    """The lean path of a one-partition plan keeps every check of the general one."""
+    host, inv = fake()
+    graph = branchy_graph()
+    compiled = compile_plan(graph, forced_plan(graph, inv, lambda op: "fake@gpu:0"), host, inv)
+    pid = compiled.plan.partitions[0].id
+    x = random_inputs(graph)
+    check(graph, compiled.run(x), x)  # the runtime returns float64; the graph declares float32
+    assert list(compiled.last_timings) == [pid] and compiled.last_spans[pid].ms > 0
+    out, spans = compiled.run_timed({"x": x["x"].astype(np.float64)})  # cast to float32 on the way in
+    check(graph, out, x)
+    assert list(spans) == [pid] and spans[pid].end > spans[pid].start
+    assert compiled.runs == 2 and len(compiled.history[pid]) == 2
+
+    class Lossy:
+        def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {}
+
+    class Listy:
+        def run(self, inputs: dict[str, np.ndarray]) -> object:
+            return [inputs["x"]]
+
+    compiled.executables[pid] = Lossy()  # type: ignore[assignment]
+    with pytest.raises(PartitionFailed, match=r"did not return 'y' \(from op 'join'\)"):
+        compiled.run(x)
+    compiled.executables[pid] = Listy()  # type: ignore[assignment]
+    with pytest.raises(PartitionFailed, match="returned list, not a dict of arrays"):
+        compiled.run(x)
+    with pytest.raises(KeyError, match=r"missing graph inputs \['x'\]"):
+        compiled.run({})

@@ -1,6 +1,7 @@
 """Adaptive execution: measured latency corrects the cost model, and the plan follows.
 
-Every run records each partition's measured latency. Per (plugin, device, op
+Runs record each partition's measured latency (every run of a plan's first
+LEARN_ALL, then one in LEARN_EVERY: the hot path stays lean). Per (plugin, device, op
 type) an exponentially weighted average of measured / predicted is kept and
 written into the bid table's ``correction`` factors; a partition's ratio is
 given to each op type it holds, since one measurement cannot tell its ops
@@ -9,8 +10,8 @@ slowed by a neighbour process does not swing the model. Every few runs
 (fewer and fewer while nothing changes) the placer runs again on the
 corrected table, in a background thread; when the new plan is predicted
 faster than the current one (both under the corrected model) by more than
-the model's error, or when a device's free memory (looked at every
-``memory_every_s``) drops below what the current plan keeps there, the new
+the model's error, or when a device's free memory (looked at on the runs
+learned from, at most every ``memory_every_s``) drops below what the current plan keeps there, the new
 plan is compiled, warmed up and swapped in between runs: a run in flight
 finishes on the plan it started with, and callers never wait for a re-plan.
 Nothing per run walks the graph: spans become corrections through keys
@@ -51,11 +52,15 @@ log = get_logger("dspark.placement.adaptive")
 
 Key = tuple[str, str, str]  # (plugin, device id, op type)
 RECHECK_DRIFT = 0.25  # a re-plan check runs the placer only once a correction moved this much
+# Learning (and the look at free memory) is sampled: every run of a plan's first LEARN_ALL, then one in
+# LEARN_EVERY. Each object touched between two runtime calls costs (docs/benchmarks.md, "Per-run overhead").
+LEARN_ALL, LEARN_EVERY = 32, 32
 
 
 @dataclass
 class RunRecord:
-    """One run: which plan served it, and per partition (predicted ms at the time, measured ms)."""
+    """One run learned from (see LEARN_EVERY): which plan served it, and per partition (predicted ms at
+    the time, measured ms)."""
 
     index: int
     plan_version: int
@@ -80,20 +85,6 @@ class _StageFailed(Exception):
         self.exc, self.stage = exc, stage
 
 
-@dataclass
-class _Sample:
-    target: str
-    raw_ms: float
-    corrected_ms: float  # with the corrections known before this run
-    measured_ms: float
-    was_corrected: bool
-
-
-def _median_rel_error(pairs: list[tuple[float, float]]) -> float | None:
-    errs = [abs(p - m) / m for p, m in pairs if m > 0]
-    return float(statistics.median(errs)) if errs else None
-
-
 class AdaptiveRunner:
     """Plan, compile and run ``graph``; correct the cost model from measurements and re-plan."""
 
@@ -111,8 +102,8 @@ class AdaptiveRunner:
         self.memory_every_s, self.measure_close = memory_every_s, measure_close
         self.table = table or placer.collect_op_bids(host, self.inv, graph)
         self.replans: list[str] = []
-        self.history: deque[RunRecord] = deque(maxlen=10_000)
-        self._samples: deque[_Sample] = deque(maxlen=10_000)
+        self.history: deque[RunRecord] = deque(maxlen=10_000)  # the runs learned from
+        self._samples: deque[placer.Sample] = deque(maxlen=10_000)
         self._ratio: dict[Key, float] = {}
         self._swap, self._stats = threading.Lock(), threading.Lock()  # guard _active; ratios, records, counters
         self._adapting = threading.Lock()  # one re-plan at a time; others keep running
@@ -153,6 +144,16 @@ class AdaptiveRunner:
             return other.run(inputs)
         if self._rivals:
             self._race(inputs)
+        active = self._active
+        if active.runs >= LEARN_ALL and (active.runs + 1) % LEARN_EVERY:  # a run not learned from: lean
+            try:
+                outputs = active.compiled.run(inputs)
+            except PartitionFailed as exc:
+                self._recover(active, exc)
+            else:  # free memory is looked at on the runs learned from
+                self._runs += 1  # under the GIL; a count lost between threads only shifts the sampling
+                active.runs += 1
+                return outputs
         while True:
             with self._swap:
                 active = self._active
@@ -188,21 +189,11 @@ class AdaptiveRunner:
             thread.join(timeout)
 
     def prediction_error(self, target: str | None = None) -> dict[str, float | int | None]:
-        """Median absolute relative error of partition predictions vs measurements: ``uncorrected``,
-        the bids as plugins made them; ``corrected``: the
-        prediction with the corrections learned from earlier runs only (out
-        of sample), over the runs where a correction existed, compared with
-        ``uncorrected_same_runs``. ``target`` (``plugin@device``) narrows it.
-        """
+        """The cost model's error on this runner's runs (:func:`placer.prediction_error`); ``target``
+        (``plugin@device``) narrows it."""
         with self._stats:
             samples = [s for s in self._samples if target is None or s.target == target]
-        corrected = [s for s in samples if s.was_corrected]
-        return {
-            "samples": len(samples),
-            "uncorrected": _median_rel_error([(s.raw_ms, s.measured_ms) for s in samples]),
-            "corrected": _median_rel_error([(s.corrected_ms, s.measured_ms) for s in corrected]),
-            "uncorrected_same_runs": _median_rel_error([(s.raw_ms, s.measured_ms) for s in corrected]),
-        }
+        return placer.prediction_error(samples)
 
     def corrections(self) -> dict[Key, float]:
         with self._stats:
@@ -359,7 +350,7 @@ class AdaptiveRunner:
                 ms = (span.end - span.start) * 1e3
                 known = any(k in ratios for k, _ in part.keys)
                 predicted = part.corrected(ratios)
-                self._samples.append(_Sample(part.target, part.raw_ms, predicted, ms, known))
+                self._samples.append(placer.Sample(part.target, part.raw_ms, predicted, ms, known))
                 parts[part.id] = (predicted, ms)
                 if not busy:
                     part.recent.append(ms / part.raw_ms)
@@ -368,18 +359,25 @@ class AdaptiveRunner:
             self.history.append(RunRecord(self._runs, active.version, total, parts))
             if active is not self._active:
                 return None  # a run that finished on a replaced plan triggers nothing
-            now = time.monotonic()
-            if now >= self._next_memory:  # a look at free memory costs more than a small run
-                self._next_memory = now + self.memory_every_s
-                memory = self._memory_problems(active)
-                if memory:
-                    return "memory: " + "; ".join(memory)
+            memory = self._memory_due(active)
+            if memory is not None:
+                return memory
             if active.runs >= self.min_runs and active.runs >= self._next_check:
                 self._next_check = active.runs + self.replan_every * self._backoff
                 if self._drifted() and self._rival_close(active):
                     return "check"
                 self._backoff = min(self._backoff * 2, 64)
         return None
+
+    def _memory_due(self, active: _Active) -> str | None:
+        """Why to re-plan for memory, when a look is due (every memory_every_s: it costs more than a
+        small run) and finds the plan no longer fits (under _stats)."""
+        now = time.monotonic()
+        if now < self._next_memory or active is not self._active:
+            return None
+        self._next_memory = now + self.memory_every_s
+        memory = self._memory_problems(active)
+        return "memory: " + "; ".join(memory) if memory else None
 
     def _learn(self, part: PartCost, ratio: float) -> None:
         """Fold one measured / raw ratio into the corrections of the partition's op types (under _stats)."""

@@ -36,7 +36,7 @@ from dspark.types import Device, Executable
 
 HISTORY_LEN = 1000  # measurements kept per partition
 OBSERVE_ALL = 32  # runs of a compiled plan that all feed calibration's observations
-OBSERVE_EVERY = 8  # after those, one run in this many does
+OBSERVE_EVERY = 32  # after those, one run in this many does
 
 
 class PlanError(ValueError):
@@ -154,8 +154,6 @@ class CompiledPlan:
     devices: dict[int, Device]
     lock_by: Literal["device", "target"] = "device"
     compile_s: float = 0.0
-    last_timings: dict[int, float] = field(default_factory=dict)  # partition id -> ms, latest run
-    last_spans: dict[int, Span] = field(default_factory=dict)
     history: dict[int, deque[float]] = field(default_factory=dict)  # partition id -> ms per run
     runs: int = 0
 
@@ -175,6 +173,14 @@ class CompiledPlan:
         boundary = {t for ins, outs in self._io.values() for t in (*ins, *outs)} | set(self.graph.inputs)
         self._dtype = {t: _declared_dtype(self.graph, t) for t in boundary}
         self._single = self._order[0] if len(self._order) == 1 else None
+        self._spans: dict[int, Span] = {}
+        self._last: tuple[int, float, float, threading.Thread] | None = None  # a lean run's span, made lazily
+        if self._single is not None:
+            pid = self._single
+            ins, outs = self._io[pid]
+            self._lean = (pid, self.parts[pid], self._locks[self._lock_key(self.parts[pid])],
+                          [(n, self._dtype[n]) for n in self.graph.inputs], list(ins) == list(self.graph.inputs),
+                          [(t, self._dtype[t]) for t in outs], list(outs) == list(self.graph.outputs))
 
     def _lock_key(self, part: Partition) -> str:
         return part.target.device_id if self.lock_by == "device" else part.target.key
@@ -182,34 +188,85 @@ class CompiledPlan:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    @property
+    def last_spans(self) -> dict[int, Span]:
+        """The latest run's spans, partition id -> :class:`Span` (with threads, another thread's run)."""
+        last = self._last
+        if last is not None:
+            self._spans, self._last = {last[0]: Span(last[1], last[2], last[3].name)}, None
+        return self._spans
+
+    @property
+    def last_timings(self) -> dict[int, float]:
+        """The latest run's time per partition id, in ms."""
+        return {k: s.ms for k, s in self.last_spans.items()}
+
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph once on host arrays keyed by graph input names; return its outputs."""
+        if self._single is not None:
+            return self._run_lean(inputs)[0]
         return self.run_timed(inputs)[0]
 
     def run_timed(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[int, Span]]:
         """:meth:`run`, also returning this run's spans (``last_spans`` may already be another thread's)."""
-        try:
-            env: dict[str, np.ndarray] = {n: _conform(inputs[n], self._dtype[n]) for n in self.graph.inputs}
-        except KeyError:
-            missing = [n for n in self.graph.inputs if n not in inputs]
-            raise KeyError(f"missing graph inputs {missing}; {self.graph.name!r} takes {self.graph.inputs}") from None
-        spans: dict[int, Span] = {}
         if self._single is not None:  # one partition: no scheduling, no pool
-            env.update(self._run_one(self._single, env, spans))
-        else:
-            self._schedule(env, spans)
+            out, start, end = self._run_lean(inputs)
+            return out, {self._single: Span(start, end, threading.current_thread().name)}
+        env = self._inputs(inputs)
+        spans: dict[int, Span] = {}
+        self._schedule(env, spans)
         with self._stats:
-            self.last_spans = spans
-            self.last_timings = {k: s.ms for k, s in spans.items()}
+            self._spans, self._last = spans, None
             for k, s in spans.items():
                 self.history[k].append(s.ms)
             self.runs += 1
             runs = self.runs
         if runs <= OBSERVE_ALL or runs % OBSERVE_EVERY == 0:
-            from dspark.sdk.calibration import observe_run  # real run times correct the calibrations bids used
-
-            observe_run(self, spans, env)
+            self._observe(spans, env)
         return {name: env[name] for name in self.graph.outputs}, spans
+
+    def _inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return {n: _conform(inputs[n], self._dtype[n]) for n in self.graph.inputs}
+        except KeyError:
+            missing = [n for n in self.graph.inputs if n not in inputs]
+            raise KeyError(f"missing graph inputs {missing}; {self.graph.name!r} takes {self.graph.inputs}") from None
+
+    def _observe(self, spans: dict[int, Span], env: dict[str, np.ndarray]) -> None:
+        from dspark.sdk.calibration import observe_run  # real run times correct the calibrations bids used
+
+        observe_run(self, spans, env)
+
+    def _run_lean(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float, float]:
+        """A one-partition plan's run: the fewest steps around the executable (every object touched
+        between two runtime calls costs cache misses, docs/benchmarks.md "Per-run overhead")."""
+        pid, part, lock, ins, direct, outs, same_out = self._lean
+        feed: dict[str, np.ndarray] = {}
+        try:
+            for n, want in ins:
+                v = inputs[n]
+                feed[n] = v if type(v) is np.ndarray and v.dtype == want and v.flags.c_contiguous \
+                    else _conform(v, want)
+        except KeyError:
+            self._inputs(inputs)  # raises, naming what is missing
+        with lock:
+            start = time.perf_counter()
+            try:
+                raw = self.executables[pid].run(feed if direct else {t: feed[t] for t in self._io[pid][0]})
+            except Exception as exc:
+                raise PartitionFailed(part, f"{type(exc).__name__}: {exc}") from exc
+            end = time.perf_counter()
+        try:
+            out = {t: v if type(v := raw[t]) is np.ndarray and v.dtype == want and v.flags.c_contiguous
+                   else _conform(v, want) for t, want in outs}
+        except Exception:  # noqa: BLE001 (said precisely by the checks below)
+            out = self._outputs(part, raw, self._io[pid][1])
+        self._last = (pid, start, end, threading.current_thread())
+        self.history[pid].append((end - start) * 1e3)
+        self.runs += 1  # under the GIL; a count off by one between threads only shifts the sampling below
+        if self.runs <= OBSERVE_ALL or self.runs % OBSERVE_EVERY == 0:
+            self._observe({pid: Span(start, end, threading.current_thread().name)}, feed)
+        return (out if same_out else {name: {**feed, **out}[name] for name in self.graph.outputs}), start, end
 
     def _schedule(self, env: dict[str, np.ndarray], spans: dict[int, Span]) -> None:
         """Run every partition in dependency order: chains in this thread, independent ones in the pool."""
@@ -260,6 +317,10 @@ class CompiledPlan:
                 raise PartitionFailed(part, f"{type(exc).__name__}: {exc}") from exc
             end = time.perf_counter()
         spans[pid] = Span(start, end, threading.current_thread().name)
+        return self._outputs(part, raw, wanted)
+
+    def _outputs(self, part: Partition, raw: object, wanted: list[str]) -> dict[str, np.ndarray]:
+        """A partition's outputs, checked and conformed to their declared dtypes."""
         if not isinstance(raw, dict):
             raise PartitionFailed(part, f"returned {type(raw).__name__}, not a dict of arrays")
         lost = [t for t in wanted if t not in raw]

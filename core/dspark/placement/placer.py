@@ -329,6 +329,33 @@ class PartCost:
         return self.raw_ms * sum(ratios.get(k, 1.0) * n for k, n in self.keys) / self.n_ops
 
 
+@dataclass
+class Sample:
+    """One partition's run against its prediction."""
+
+    target: str
+    raw_ms: float
+    corrected_ms: float  # with the corrections known before this run
+    measured_ms: float
+    was_corrected: bool
+
+
+def prediction_error(samples: list[Sample]) -> dict[str, float | int | None]:
+    """Median absolute relative error of predictions vs measurements: ``uncorrected``, the bids as
+    plugins made them; ``corrected``, with the corrections learned from earlier runs only (out of
+    sample), over the runs where a correction existed, beside ``uncorrected_same_runs``."""
+    corrected = [s for s in samples if s.was_corrected]
+    return {"samples": len(samples),
+            "uncorrected": _median_rel_error([(s.raw_ms, s.measured_ms) for s in samples]),
+            "corrected": _median_rel_error([(s.corrected_ms, s.measured_ms) for s in corrected]),
+            "uncorrected_same_runs": _median_rel_error([(s.raw_ms, s.measured_ms) for s in corrected])}
+
+
+def _median_rel_error(pairs: list[tuple[float, float]]) -> float | None:
+    errs = [abs(p - m) / m for p, m in pairs if m > 0]
+    return float(statistics.median(errs)) if errs else None
+
+
 def part_costs(graph: Graph, plan: Plan, ratios: Mapping[tuple[str, str, str], float]) -> list[PartCost]:
     """``plan``'s partitions as :class:`PartCost`; ``ratios``: the corrections it was made with."""
     out = []

@@ -311,16 +311,18 @@ class ShapeRouter(Generic[T]):
         self.plans: ShapePlans[T] = ShapePlans(max_entries, on_evict=on_evict)
 
     def _shapes(self, inputs: Mapping[str, Any]) -> tuple[object, ...]:
-        return tuple(getattr(inputs.get(n), "shape", None) for n in self.graph.inputs)
+        return tuple([getattr(inputs.get(n), "shape", None) for n in self.graph.inputs])
 
     def route(self, inputs: Mapping[str, Any]) -> T | None:
         shapes = self._shapes(inputs)
         key = self._seen.get(shapes)
         if key is None:
             key = bucket(bind_dims(self.graph, inputs), self.graph.dim_hints)  # raises ShapeMismatch
+            if key == self.home:
+                key = self.home  # the home bucket is told by identity on the hot path
             if len(self._seen) < self.SHAPES_REMEMBERED:
                 self._seen[shapes] = key
-        if key == self.home:
+        if key is self.home:
             return None
         return self.plans.get_or_build(key, lambda: self._build(key, at_dims(self.graph, dict(key))))
 
