@@ -263,8 +263,8 @@ class CompiledPlan:
             out = self._outputs(part, raw, self._io[pid][1])
         self._last = (pid, start, end, threading.current_thread())
         self.history[pid].append((end - start) * 1e3)
-        self.runs += 1  # under the GIL; a count off by one between threads only shifts the sampling below
-        if self.runs <= OBSERVE_ALL or self.runs % OBSERVE_EVERY == 0:
+        runs = self.runs = self.runs + 1  # under the GIL; a count lost between threads only shifts sampling
+        if runs <= OBSERVE_ALL or runs % OBSERVE_EVERY == 0:
             self._observe({pid: Span(start, end, threading.current_thread().name)}, feed)
         return (out if same_out else {name: {**feed, **out}[name] for name in self.graph.outputs}), start, end
 
