@@ -22,7 +22,10 @@ for ``--runs`` timed runs after warm-up runs; the figure is the median of all
 its timed runs. The model is exported to ONNX once, by this process; every
 contender checks its output against the reference (allclose, 1e-3) before it
 is timed. Reported per model: each contender's median, the ratio dspark /
-best single (target <= 1.02, never above 1.05), the plan (partitions,
+best single (target <= 1.02, never above 1.05) and the same paired by round
+(each round's dspark process against that round's best-single process, the
+median over rounds: what drifts between rounds cancels), each process's
+median, the plan (partitions,
 targets, decision), planning time cold (the first dspark process, with the
 calibration cache as the run started: fresh unless --keep-cache) and warm
 (the later ones: a whole AdaptiveRunner, and the placer alone), and the cost
@@ -113,6 +116,7 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
     meta = prepare(name, workdir)
     contenders = ([EAGER] if meta["eager"] else []) + list(SINGLES) + [DSPARK]
     samples: dict[str, list[float]] = {c: [] for c in contenders}
+    per_round: dict[str, list[float]] = {c: [] for c in contenders}  # each process's median
     info: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     na: dict[str, str] = {}
     for _ in range(rounds):
@@ -124,6 +128,7 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
                 na[c] = got["na"]
                 continue
             samples[c] += got["ms"]
+            per_round[c].append(statistics.median(got["ms"]))
             info[c].append(got)
     row: dict[str, Any] = {"model": name, "ops": meta["ops"], "opset": meta["opset"]}
     labels = {EAGER: EAGER, **SINGLES, DSPARK: DSPARK}
@@ -134,6 +139,7 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
     row.setdefault(EAGER, None)
     singles = [labels[c] for c in contenders if c != DSPARK and row[labels[c]] is not None]
     best = min(singles, key=lambda k: row[k])
+    best_c = next(c for c in contenders if labels[c] == best)
     before: list[float] = []
     after: list[float] = []
     for c in SINGLES:
@@ -146,6 +152,9 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
     plans = [d["plan"] for d in ds]
     row.update({
         "best single": best, "ratio": row[DSPARK] / row[best],
+        # dspark's process against the best single's process of the same round, then the median of those.
+        "paired ratio": statistics.median(d / b for d, b in zip(per_round[DSPARK], per_round[best_c], strict=True)),
+        "process medians": {labels[c]: [round(v, 3) for v in per_round[c]] for c in contenders},
         "partitions": len(plans[-1]["partitions"]),
         "plan targets": ",".join(sorted({p["target"]["plugin"] + "@" + p["target"]["device_id"]
                                          for p in plans[-1]["partitions"]})),
@@ -271,10 +280,14 @@ def _s(v: object) -> str:
 def print_tables(rows: list[dict[str, Any]]) -> None:
     cols = [EAGER, *SINGLES.values(), DSPARK]
     print(f"\n{'model':<24}{'ops':>5}{'opset':>6}" + "".join(f"{c[:22]:>24}" for c in cols)
-          + f"{'ratio':>8}  best single")
+          + f"{'ratio':>8}{'paired':>8}  best single")
     for r in rows:
         print(f"{r['model']:<24}{r['ops']:>5}{r['opset']:>6}" + "".join(f"{_ms(r[c]):>24}" for c in cols)
-              + f"{r['ratio']:>8.3f}  {r['best single']}")
+              + f"{r['ratio']:>8.3f}{r['paired ratio']:>8.3f}  {r['best single']}")
+    print("ratio: median of all dspark runs / median of all the best single's runs; paired: the median over "
+          "rounds of dspark's process median / the best single's process median in the same round")
+    for r in rows:
+        print(f"process medians[{r['model']}]: {r['process medians']}")
     print("\nplanning: cold = the first dspark process (calibration cache as the run started), warm = the later "
           "ones; 'runner' = building the AdaptiveRunner and its first run (bids, placement, compile, the race), "
           "'placer' = placer.candidates alone")
