@@ -25,7 +25,9 @@ is timed. Reported per model: each contender's median, the ratio dspark /
 best single (target <= 1.02, never above 1.05) and the same paired by round
 (each round's dspark process against that round's best-single process, the
 median over rounds: what drifts between rounds cancels), each process's
-median, the plan (partitions,
+median, and for a one-partition plan on the best single's runtime, the
+in-process ratio (in each dspark process, the plan against that runtime's
+executable compiled apart, interleaved; the median over processes), the plan (partitions,
 targets, decision), planning time cold (the first dspark process, with the
 calibration cache as the run started: fresh unless --keep-cache) and warm
 (the later ones: a whole AdaptiveRunner, and the placer alone), and the cost
@@ -155,6 +157,9 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
         # dspark's process against the best single's process of the same round, then the median of those.
         "paired ratio": statistics.median(d / b for d, b in zip(per_round[DSPARK], per_round[best_c], strict=True)),
         "process medians": {labels[c]: [round(v, 3) for v in per_round[c]] for c in contenders},
+        # A one-partition plan on the best single's runtime: paired with that runtime alone in each dspark process.
+        "in-process ratio": statistics.median(d["inprocess"]["dspark_ms"] / d["inprocess"]["alone_ms"] for d in ds)
+        if all(d.get("inprocess") and d["inprocess"]["target"] == best_c for d in ds) else None,
         "partitions": len(plans[-1]["partitions"]),
         "plan targets": ",".join(sorted({p["target"]["plugin"] + "@" + p["target"]["device_id"]
                                          for p in plans[-1]["partitions"]})),
@@ -255,11 +260,44 @@ def child(name: str, contender: str, workdir: Path, runs: int, hints: dict[str, 
         ms.append((time.perf_counter() - t) * 1e3)
     out["ms"] = ms
     if contender == DSPARK:
+        out["inprocess"] = _in_process(runner, graph, host, inv, feeds)
         out["plan"] = runner.plan.to_json_dict()
         out["replans"] = runner.replans
         out["err"] = runner.prediction_error()
         runner.close()
     print(json.dumps(out, default=str))
+
+
+def _in_process(runner: Any, graph: Any, host: Any, inv: Any, feeds: dict[str, np.ndarray],
+                rounds: int = 25, block: int = 8) -> dict[str, Any] | None:
+    """A one-partition plan against its runtime's own executable, compiled again apart from dspark, in
+    this process: blocks of ``block`` runs (after one untimed), in a shuffled order each round. One
+    runtime's threads do not slow another here, so pairing in one process is fair, and it takes the
+    spread between processes out of the comparison. None for a plan of several partitions."""
+    import random
+
+    from dspark.placement.executor import compile_plan, forced_plan
+
+    if len(runner.plan.partitions) != 1:
+        return None
+    target = runner.plan.partitions[0].target.key
+    alone = compile_plan(graph, forced_plan(graph, inv, lambda op: target), host, inv)
+    exe = alone.executables[alone.plan.partitions[0].id]
+    direct = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
+    fns = {"dspark": lambda: runner.run(feeds), "alone": lambda: exe.run(direct)}
+    ms: dict[str, list[float]] = {k: [] for k in fns}
+    order, rng = list(fns), random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            fns[k]()
+            for _ in range(block):
+                t = time.perf_counter()
+                fns[k]()
+                ms[k].append((time.perf_counter() - t) * 1e3)
+    alone.close()
+    return {"target": target, "dspark_ms": statistics.median(ms["dspark"]),
+            "alone_ms": statistics.median(ms["alone"])}
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -280,12 +318,15 @@ def _s(v: object) -> str:
 def print_tables(rows: list[dict[str, Any]]) -> None:
     cols = [EAGER, *SINGLES.values(), DSPARK]
     print(f"\n{'model':<24}{'ops':>5}{'opset':>6}" + "".join(f"{c[:22]:>24}" for c in cols)
-          + f"{'ratio':>8}{'paired':>8}  best single")
+          + f"{'ratio':>8}{'paired':>8}{'in-proc':>8}  best single")
     for r in rows:
+        inproc = "-" if r["in-process ratio"] is None else f"{r['in-process ratio']:.3f}"
         print(f"{r['model']:<24}{r['ops']:>5}{r['opset']:>6}" + "".join(f"{_ms(r[c]):>24}" for c in cols)
-              + f"{r['ratio']:>8.3f}{r['paired ratio']:>8.3f}  {r['best single']}")
+              + f"{r['ratio']:>8.3f}{r['paired ratio']:>8.3f}{inproc:>8}  {r['best single']}")
     print("ratio: median of all dspark runs / median of all the best single's runs; paired: the median over "
-          "rounds of dspark's process median / the best single's process median in the same round")
+          "rounds of dspark's process median / the best single's process median in the same round; in-proc: "
+          "(a one-partition plan on the best single's runtime) dspark against that runtime's executable "
+          "compiled apart, interleaved in each dspark process, the median over processes")
     for r in rows:
         print(f"process medians[{r['model']}]: {r['process medians']}")
     print("\nplanning: cold = the first dspark process (calibration cache as the run started), warm = the later "

@@ -149,3 +149,30 @@ def test_race_interleaves_and_drops_each_blocks_first_run() -> None:
     assert calls == (["a"] * 3 + ["b"] * 3) * 3  # one dropped + two timed, per rival per round
     assert [len(xs) for xs in samples] == [6, 6]
     assert np.median(samples[0]) < np.median(samples[1])
+
+
+def _plan(partitions: int) -> Plan:
+    from dspark.placement.plan import Partition, Target
+
+    parts = [Partition(id=i, target=Target(plugin=("cpu", "npu")[i % 2], device_id="cpu"), ops=[f"op{i}"],
+                       predicted_ms=1.0) for i in range(partitions)]
+    return Plan(model="m", graph_fingerprint="g", hardware_fingerprint="h", partitions=parts,
+                predicted_total_ms=float(partitions))
+
+
+def _spin(ms: float) -> Any:
+    def fn() -> None:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+    return fn
+
+
+@pytest.mark.parametrize("split_ms,single_wins", [(0.99, True), (0.5, False)])
+def test_a_tie_goes_to_the_plan_with_fewer_partitions(split_ms: float, single_wins: bool) -> None:
+    """Within TIE, the measured order is noise: the split's hand-overs are not worth it. Beyond it, it wins."""
+    split, single = _plan(3), _plan(1)
+    win, laps = trial.decide([split, single], [_spin(split_ms), _spin(1.0)], error=0.25)
+    assert win == (1 if single_wins else 0), laps
+    assert ("kept for its fewer partitions" in single.decision) == single_wins
+    assert single.decision.startswith("measured: cpu@cpu" if single_wins else "measured: split cpu@cpu+npu@cpu")

@@ -40,6 +40,7 @@ MAX_RIVALS = 3
 ROUNDS = 6
 BLOCK = 3
 BUDGET_S = 2.0  # a race stops after the round that crosses this
+TIE = 0.03  # medians this close are a tie, which the plan with fewer partitions (hand-overs) wins
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,15 @@ def decide(plans: Sequence[Plan], runs: Sequence[Callable[[], object]], error: f
     samples = race(runs)
     laps = [Lap(label(p), p.predicted_total_ms, statistics.median(xs), len(xs))
             for p, xs in zip(plans, samples, strict=True)]
-    win = int(np.argmin([lap.median_ms for lap in laps]))
+    fastest = int(np.argmin([lap.median_ms for lap in laps]))
+    tied = [i for i, lap in enumerate(laps) if lap.median_ms <= laps[fastest].median_ms * (1 + TIE)]
+    win = min(tied, key=lambda i: (len(plans[i].partitions), laps[i].median_ms))
     w = laps[win]
     others = "; ".join(f"{lap.label} {lap.median_ms:.3f} ms (predicted {lap.predicted_ms:.3f})"
                        for i, lap in enumerate(laps) if i != win)
-    text = (f"measured: {w.label} {w.median_ms:.3f} ms (predicted {w.predicted_ms:.3f}) beat {others}; "
+    tie = "" if win == fastest else (f"; a tie within {TIE:.0%}, kept for its fewer partitions "
+                                     f"(fewer hand-overs)")
+    text = (f"measured: {w.label} {w.median_ms:.3f} ms (predicted {w.predicted_ms:.3f}) beat {others}{tie}; "
             f"medians of {w.runs} interleaved runs each on {inputs}, raced because the predictions were "
             f"within the cost model's error ({max(error, MIN_ERROR):.0%})")
     for p in plans:
