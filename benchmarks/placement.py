@@ -18,7 +18,10 @@ subset; default all). Contenders, per model:
 Each contender runs in a process of its own (the runtimes' worker threads
 spin after a call and slow whatever runs next in the same process), and the
 processes alternate: ``--rounds`` rounds, each starting every contender once
-for ``--runs`` timed runs after warm-up runs; the figure is the median of all
+for ``--runs`` timed runs after 15 warm-up runs (a dspark process warms up
+until its runner has stopped exploring, re-planning in the background and
+racing what that brings, for 15 runs in a row, at most 60 s; the runs that
+took are reported as its settling); the figure is the median of all
 its timed runs. The model is exported to ONNX once, by this process; every
 contender checks its output against the reference (allclose, 1e-3) before it
 is timed. Reported per model: each contender's median, the ratio dspark /
@@ -59,6 +62,7 @@ sys.path.insert(0, str(HERE))
 SINGLES = {"torch@cpu": "torch reference", "npu@cpu": "ONNX Runtime CPU EP", "cpu@cpu": "OpenVINO CPU"}
 EAGER = "torch eager (nn.Module)"
 DSPARK = "dspark plan"
+SETTLE_S = 60.0  # the most a dspark process warms up waiting for its runner to stop exploring
 
 
 def one_step_errors(pred_ms: float, measured_ms: list[float], alpha: float = 0.3) -> tuple[list[float], list[float]]:
@@ -170,6 +174,7 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
         "err_after": statistics.median(after) if after else None,
         "plan_err_before": statistics.median(d["err"]["uncorrected"] or 0 for d in ds),
         "plan_err_after": statistics.median(d["err"]["corrected"] or 0 for d in ds),
+        "settle runs": [d.get("settle_runs") for d in ds], "settled": all(d.get("settled") for d in ds),
         "decision": plans[-1].get("decision", ""), "gate": plans[-1].get("gate", ""),
         "replans": " | ".join("; ".join(d["replans"]) or "none" for d in ds), "n/a": {labels[k]: v for k, v in na.items()},
     })
@@ -221,9 +226,15 @@ def child(name: str, contender: str, workdir: Path, runs: int, hints: dict[str, 
             t0 = time.perf_counter()
             placer.candidates(graph, host, inv)
             out["place_s"] = time.perf_counter() - t0
-            for _ in range(warmup):
+            # Warm up until the runner has stopped exploring (re-plans in the background and the races
+            # they bring) for `warmup` runs in a row: the steady state is timed; settling is reported.
+            quiet, settle_runs, t_end = 0, 0, time.perf_counter() + SETTLE_S
+            while quiet < warmup and time.perf_counter() < t_end:
+                quiet = 0 if runner.exploring else quiet + 1
                 runner.run(feeds)
+                settle_runs += 1
             runner.settle()
+            out["settle_runs"], out["settled"] = settle_runs, quiet >= warmup
 
             def fn() -> Any:
                 return runner.run(feeds)
@@ -345,6 +356,8 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print(f"decision[{r['model']}]: {r['decision'] or '-'}")
         print(f"gate[{r['model']}]: {r['gate']}")
         print(f"replans[{r['model']}]: {r['replans']}")
+        print(f"settling[{r['model']}]: warm-up runs per dspark process {r['settle runs']}"
+              + ("" if r["settled"] else f" (some still exploring after {SETTLE_S:.0f} s)"))
         if not r["same plan every process"]:
             print(f"plans[{r['model']}]: the dspark processes did not all settle on the same plan")
 
@@ -355,7 +368,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the contenders' processes")
-    ap.add_argument("--runs", type=int, default=40, help="timed runs per process, after 15 warm-up runs")
+    ap.add_argument("--runs", type=int, default=40, help="timed runs per process, after the warm-up")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse ~/.cache/dspark calibrations (default: a fresh cache, so every bid is "

@@ -96,6 +96,7 @@ def test_close_bids_are_raced_and_the_measured_faster_wins(
     host, inv = twin_host(scale=0.97, extra_s=1e-4)
     runner = AdaptiveRunner(graph, host, inv)
     assert keys(runner.plan) == {"twin@cpu"}, runner.plan.gate  # the prediction's pick
+    assert runner.exploring  # its rival waits for the first run
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
     assert keys(runner.plan) == {"cpu@cpu"}, runner.replans
     decision = runner.plan.decision

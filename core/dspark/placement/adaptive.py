@@ -20,7 +20,11 @@ computed once per installed plan.
 Plans predicted within the cost model's error of each other are not chosen
 by prediction: the first run (and, when corrections bring a new plan that
 close to the current one, the next run) races them on the caller's inputs
-(:mod:`dspark.placement.trial`) and the measured fastest is committed.
+(:mod:`dspark.placement.trial`) and the measured fastest is committed. Once a
+race has run, its laps corrected the model, so a later rival must be
+predicted faster than the current plan to be raced: each race costs the
+caller's time, and a split one partition away from a measured loser is not
+news.
 
 A partition whose compile or run fails is charged to its plugin (see
 :mod:`dspark.host.faults`), its target's bids for those ops leave the bid
@@ -184,9 +188,13 @@ class AdaptiveRunner:
 
     def settle(self, timeout: float | None = 60.0) -> None:
         """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
-        thread = self._background
-        if thread is not None:
+        if (thread := self._background) is not None:
             thread.join(timeout)
+
+    @property
+    def exploring(self) -> bool:
+        """A re-plan runs in the background, or rivals wait to race on the next run."""
+        return bool(self._rivals) or (self._background is not None and self._background.is_alive())
 
     def prediction_error(self, target: str | None = None) -> dict[str, float | int | None]:
         """The cost model's error on this runner's runs (:func:`placer.prediction_error`); ``target``
@@ -370,8 +378,7 @@ class AdaptiveRunner:
         return None
 
     def _memory_due(self, active: _Active) -> str | None:
-        """Why to re-plan for memory, when a look is due (every memory_every_s: it costs more than a
-        small run) and finds the plan no longer fits (under _stats)."""
+        """Why to re-plan for memory, when a look (costly: at most every memory_every_s) finds it (under _stats)."""
         now = time.monotonic()
         if now < self._next_memory or active is not self._active:
             return None
@@ -388,9 +395,11 @@ class AdaptiveRunner:
 
     def _rival_close(self, active: _Active) -> bool:
         """Whether a plan the placer ranked, re-scored under the current corrections, comes within the
-        model's error of the current one (under _stats): only then is the placer worth running again."""
+        model's error of the current one (under _stats): only then is the placer worth running again.
+        Once a race was run, its laps corrected the model: a rival must then be predicted faster."""
         mine = trial.assignment_key(active.plan)
-        bar = placer.corrected_total(active.plan, active.parts, self._ratio) * (1 + trial.DEFAULT_ERROR)
+        bar = placer.corrected_total(active.plan, active.parts, self._ratio) * (
+            1.0 if self._raced else 1 + trial.DEFAULT_ERROR)
         return any(key != mine and placer.corrected_total(p, costs, self._ratio) < bar
                    for key, p, costs in self._scored)
 
@@ -448,7 +457,9 @@ class AdaptiveRunner:
         memory, error = reason.startswith("memory"), self._error()
         same = new.assignment() == active.plan.assignment()
         faster = new.predicted_total_ms < current * (1 - self.threshold)
-        close = new.predicted_total_ms < current * (1 + error)
+        # After a race, the model carries its measurements: only a rival predicted faster is worth another
+        # race (each costs the caller's time, and one split differing by a partition is not news).
+        close = new.predicted_total_ms < current * (1.0 if self._raced else 1 + error)
         pair = frozenset((trial.assignment_key(new), trial.assignment_key(active.plan)))
         if not same and not memory and (close or faster) and self.measure_close:
             if pair in self._raced:  # measured already, and the race taught the model: no flip-flop
