@@ -144,7 +144,7 @@ class AdaptiveRunner:
         When close plans wait to be raced (see the module notes), this run races them first. Inputs
         at sizes of another shape bucket (:mod:`dspark.placement.shapes`) run on that bucket's plan,
         bid and placed at its sizes when first seen; sizes the graph cannot take raise ShapeMismatch."""
-        if (other := self._shapes.route(inputs)) is not None:
+        if not self._shapes.at_home(inputs) and (other := self._shapes.route(inputs)) is not None:
             return other.run(inputs)
         if self._rivals:
             self._race(inputs)

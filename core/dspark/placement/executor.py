@@ -174,7 +174,7 @@ class CompiledPlan:
         self._dtype = {t: _declared_dtype(self.graph, t) for t in boundary}
         self._single = self._order[0] if len(self._order) == 1 else None
         self._spans: dict[int, Span] = {}
-        self._last: tuple[int, float, float, threading.Thread] | None = None  # a lean run's span, made lazily
+        self._last: tuple[int, float, float, int] | None = None  # a lean run's span (thread ident), made lazily
         if self._single is not None:
             pid = self._single
             ins, outs = self._io[pid]
@@ -193,7 +193,8 @@ class CompiledPlan:
         """The latest run's spans, partition id -> :class:`Span` (with threads, another thread's run)."""
         last = self._last
         if last is not None:
-            self._spans, self._last = {last[0]: Span(last[1], last[2], last[3].name)}, None
+            name = next((t.name for t in threading.enumerate() if t.ident == last[3]), f"thread {last[3]}")
+            self._spans, self._last = {last[0]: Span(last[1], last[2], name)}, None
         return self._spans
 
     @property
@@ -261,7 +262,7 @@ class CompiledPlan:
                    else _conform(v, want) for t, want in outs}
         except Exception:  # noqa: BLE001 (said precisely by the checks below)
             out = self._outputs(part, raw, self._io[pid][1])
-        self._last = (pid, start, end, threading.current_thread())
+        self._last = (pid, start, end, threading.get_ident())
         self.history[pid].append((end - start) * 1e3)
         runs = self.runs = self.runs + 1  # under the GIL; a count lost between threads only shifts sampling
         if runs <= OBSERVE_ALL or runs % OBSERVE_EVERY == 0:
