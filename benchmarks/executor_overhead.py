@@ -67,7 +67,7 @@ class _Null:
         return self.outputs
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
+def interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
     """Medians in us; blocks of ``block`` runs (after one untimed), in a shuffled order each round so that
     no contender always follows the same one."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
@@ -110,7 +110,7 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     sub_in = compiled._io[pid][0]
     direct = {k: np.ascontiguousarray(feeds[k]) for k in sub_in}
     row: dict[str, Any] = {"model": name, "ops": len(graph.ops), "target": target}
-    row.update(_interleaved({"executable_us": lambda: exe.run(direct),
+    row.update(interleaved({"executable_us": lambda: exe.run(direct),
                              "control_us": lambda: (exe.run(direct), _spin(CONTROL_US)),
                              "compiled_plan_us": lambda: compiled.run(feeds),
                              "adaptive_us": lambda: runner.run(feeds)}, runs))
@@ -123,7 +123,7 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     compiled.executables[pid] = null
     spans: dict[int, executor.Span] = {}
     env = dict(feeds)
-    pieces = _interleaved({
+    pieces = interleaved({
         "inputs_checked": lambda: {n: executor._conform(feeds[n], compiled._dtype[n]) for n in graph.inputs},
         "locked_call_and_span": lambda: compiled._run_one(pid, env, spans),
         "compiled_plan_total": lambda: compiled.run(feeds),

@@ -285,7 +285,7 @@ def _in_process(runner: Any, graph: Any, host: Any, inv: Any, feeds: dict[str, n
     this process: blocks of ``block`` runs (after one untimed), in a shuffled order each round. One
     runtime's threads do not slow another here, so pairing in one process is fair, and it takes the
     spread between processes out of the comparison. None for a plan of several partitions."""
-    import random
+    from executor_overhead import interleaved
 
     from dspark.placement.executor import compile_plan, forced_plan
 
@@ -295,20 +295,9 @@ def _in_process(runner: Any, graph: Any, host: Any, inv: Any, feeds: dict[str, n
     alone = compile_plan(graph, forced_plan(graph, inv, lambda op: target), host, inv)
     exe = alone.executables[alone.plan.partitions[0].id]
     direct = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
-    fns = {"dspark": lambda: runner.run(feeds), "alone": lambda: exe.run(direct)}
-    ms: dict[str, list[float]] = {k: [] for k in fns}
-    order, rng = list(fns), random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            fns[k]()
-            for _ in range(block):
-                t = time.perf_counter()
-                fns[k]()
-                ms[k].append((time.perf_counter() - t) * 1e3)
+    us = interleaved({"dspark": lambda: runner.run(feeds), "alone": lambda: exe.run(direct)}, rounds * block, block)
     alone.close()
-    return {"target": target, "dspark_ms": statistics.median(ms["dspark"]),
-            "alone_ms": statistics.median(ms["alone"])}
+    return {"target": target, "dspark_ms": us["dspark"] / 1e3, "alone_ms": us["alone"] / 1e3}
 
 
 # -- output ---------------------------------------------------------------------------------------

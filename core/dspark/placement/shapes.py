@@ -318,9 +318,7 @@ class ShapeRouter(Generic[T]):
 
     def at_home(self, inputs: Mapping[str, Any]) -> bool:
         """Whether ``inputs`` have sizes seen before in the home bucket (the hot path's one check)."""
-        one = self._one
-        shapes = (getattr(inputs.get(one), "shape", None),) if one is not None else self._shapes(inputs)
-        return self._seen.get(shapes) is self.home
+        return self._seen.get(self._shapes(inputs)) is self.home
 
     def route(self, inputs: Mapping[str, Any]) -> T | None:
         shapes = self._shapes(inputs)
