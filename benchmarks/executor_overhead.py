@@ -11,22 +11,28 @@ medians of, all on the runner's own compiled model:
  - ``AdaptiveRunner.run`` (the executor plus the cost model's online correction).
 Target (issue 21): the adaptive runner within 2% or 20 us of the executable.
 
-Then the overhead itemised, with a null executable (returns its outputs
-without computing) so that only dspark's own work is timed, in microseconds
-per run: input dtype/layout checks, the locked call with its clock reads and
-spans, the per-run records, calibration's feedback (observe_run), and the
-adaptive runner's learning.
+Then the overhead itemised, twice, in microseconds per run:
+ - warm: with a null executable (returns its outputs without computing), so
+   that only dspark's own work is timed, back to back, with warm caches:
+   input dtype/layout checks, the locked call with its clock reads and spans,
+   calibration's feedback (observe_run), the adaptive runner's learning;
+ - cold: with an evicting executable (copies ``EVICT_MB`` between runs, as a
+   runtime's compute evicts the core's caches), each piece as the median of
+   its difference from the evicting executable alone in the same round: the
+   lean run (``CompiledPlan.run``), the adaptive runner's run not learned
+   from, a run learned from, and a run that feeds calibration.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +71,52 @@ class _Null:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.outputs
+
+
+EVICT_MB = 16  # more than a core's L2 here (4 MiB), as a model's weights and activations are
+
+
+class _Evicting(_Null):
+    """A null executable that first copies ``EVICT_MB``: Python after it runs with cold caches, as after a
+    runtime's compute, without the runtime's noise."""
+
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        super().__init__(outputs)
+        self.src = np.ones(EVICT_MB << 20, np.uint8)
+        self.dst = np.empty_like(self.src)
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        np.copyto(self.dst, self.src)
+        return {k: v.copy() for k, v in self.outputs.items()}
+
+
+def paired(fns: dict[str, Callable[[], object]], base: str, rounds: int) -> dict[str, float]:
+    """Per contender, the median over rounds of its time minus ``base``'s in the same round (us); one call
+    each per round, in a shuffled order."""
+    diffs: dict[str, list[float]] = {k: [] for k in fns if k != base}
+    rng, order = random.Random(1), list(fns)
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        rng.shuffle(order)
+        took = {}
+        for k in order:
+            t = time.perf_counter()
+            fns[k]()
+            took[k] = time.perf_counter() - t
+        for k in diffs:
+            diffs[k].append((took[k] - took[base]) * 1e6)
+    return {k: statistics.median(v) for k, v in diffs.items()}
+
+
+@contextlib.contextmanager
+def _constant(module: Any, name: str, value: int) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
@@ -133,8 +185,32 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     pieces["adaptive_learning"] = pieces["adaptive_total"] - pieces["compiled_plan_total"]
     pieces["observe_run_amortised"] = pieces["observe_run"] / executor.OBSERVE_EVERY
     row["itemised_us"] = {k: round(v, 2) for k, v in pieces.items()}
+    row["cold_us"] = {k: round(v, 1) for k, v in _cold(compiled, runner, pid, null.outputs, direct, feeds,
+                                                         runs).items()}
     runner.close()
     return row
+
+
+def _cold(compiled: Any, runner: Any, pid: int, outputs: dict[str, np.ndarray], direct: dict[str, np.ndarray],
+          feeds: dict[str, np.ndarray], runs: int) -> dict[str, float]:
+    """The pieces after an evicting executable (see the module notes), paired with it alone."""
+    from dspark.placement import adaptive, executor
+
+    evict = _Evicting(outputs)
+    compiled.executables[pid] = evict
+    base = {"executable": lambda: evict.run(direct)}
+    never = 10**9
+    with _constant(adaptive, "LEARN_EVERY", never), _constant(executor, "OBSERVE_EVERY", never):
+        out = paired({**base, "lean_run": lambda: compiled.run(feeds),
+                      "adaptive_not_learned": lambda: runner.run(feeds)}, "executable", runs)
+    with _constant(adaptive, "LEARN_EVERY", 1), _constant(executor, "OBSERVE_EVERY", never):
+        out |= paired({**base, "adaptive_learned": lambda: runner.run(feeds)}, "executable", runs)
+    with _constant(executor, "OBSERVE_EVERY", 1):
+        out |= paired({**base, "lean_run_with_calibration": lambda: compiled.run(feeds)}, "executable", runs)
+    out["adaptive_as_shipped"] = paired({**base, "run": lambda: runner.run(feeds)}, "executable", runs)["run"]
+    out["learned_extra_amortised"] = (out["adaptive_learned"] - out["adaptive_not_learned"]) / adaptive.LEARN_EVERY
+    out["calibration_extra_amortised"] = (out["lean_run_with_calibration"] - out["lean_run"]) / executor.OBSERVE_EVERY
+    return out
 
 
 def _only(host: Any, inv: Any, graph: Any, target: str) -> Any:
@@ -161,9 +237,12 @@ def main() -> None:
               f"{r['adaptive_ratio']:>8.3f}")
     print(f"control: the executable, then a {CONTROL_US} us busy wait; its distance from 'executable' beyond "
           f"{CONTROL_US} us is this machine's noise between interleaved blocks")
-    print("\nitemised, us per run (null executable):")
+    print("\nitemised, us per run (null executable, warm caches):")
     for r in rows:
         print(f"  {r['model']}: " + ", ".join(f"{k} {v}" for k, v in r["itemised_us"].items()))
+    print(f"\nitemised, us per run over an executable that evicts the caches ({EVICT_MB} MiB copied), paired:")
+    for r in rows:
+        print(f"  {r['model']}: " + ", ".join(f"{k} {v}" for k, v in r["cold_us"].items()))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -186,7 +186,7 @@ def test_learning_is_sampled_after_a_plans_first_runs(demo: tuple[Graph, dict[st
         np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
     runner.settle()
     assert runner.replans == []
-    assert [r.index for r in runner.history] == [*range(1, LEARN_ALL + 1), LEARN_ALL + LEARN_EVERY, n]
+    assert [r.index for r in runner.history] == [*range(1, LEARN_ALL + 1), *range(LEARN_EVERY, n + 1, LEARN_EVERY)]
     assert runner.prediction_error()["samples"] == LEARN_ALL + 2
     assert runner.compiled.history[runner.plan.partitions[0].id][-1] > 0  # the plan still times every run
 
@@ -210,6 +210,49 @@ def test_memory_shrinking_below_the_plan_forces_a_replan(
     assert len(runner.replans) == 1 and runner.replans[0].startswith("memory: npu:0 needs")
     assert plan_memory_needs(graph, runner.plan).get("npu:0", 0) <= free["npu:0"] * MEMORY_HEADROOM
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+
+
+class Losable(Sleepy):
+    """Runs until its plugin's device is lost, then raises."""
+
+    def __init__(self, exe: Any, plugin: LosableOpenVINO) -> None:
+        super().__init__(exe, 0.0)
+        self.plugin = plugin
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.plugin.lost:
+            raise RuntimeError("device lost")
+        return super().run(inputs)
+
+
+class LosableOpenVINO(SlowOpenVINO):
+    lost = False
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> Losable | None:
+        exe = openvino.dspark_compile(subgraph, device)
+        return None if exe is None else Losable(exe, self)
+
+
+def test_a_partition_failing_on_the_lean_path_is_charged_and_the_run_is_served(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    """Past the runs learned from, runs take the lean path; a failure there is recovered from as anywhere."""
+    graph, x, ref = demo
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    plugin = LosableOpenVINO(0.0)
+    host.register(plugin, "laterfail")
+    host.load()
+    runner = AdaptiveRunner(graph, host, probe(host), min_runs=10**9, measure_close=False)
+    if targets(runner) != {"laterfail@cpu"}:
+        pytest.skip(f"OpenVINO does not run the demo here: {runner.plan.gate}")
+    for i in range(LEARN_ALL + 8):
+        plugin.lost = i >= LEARN_ALL + 2  # a run not learned from (LEARN_EVERY > 8)
+        np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    failed = [r for r in runner.replans if r.startswith("run of partition")]
+    assert len(failed) == 1 and "laterfail@cpu" in failed[0] and "device lost" in failed[0], runner.replans
+    assert "laterfail@cpu" not in targets(runner)
+    assert [f.hook for f in host.records["laterfail"].faults] == ["run"]
+    runner.close()
 
 
 @pytest.mark.parametrize("bad,stage", [("CompileFailsOnSoftmax", "compile"), ("RaisesAtRun", "run")])

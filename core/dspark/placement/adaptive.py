@@ -57,8 +57,9 @@ log = get_logger("dspark.placement.adaptive")
 Key = tuple[str, str, str]  # (plugin, device id, op type)
 RECHECK_DRIFT = 0.25  # a re-plan check runs the placer only once a correction moved this much
 # Learning (and the look at free memory) is sampled: every run of a plan's first LEARN_ALL, then one in
-# LEARN_EVERY. Each object touched between two runtime calls costs (docs/benchmarks.md, "Per-run overhead").
-LEARN_ALL, LEARN_EVERY = 32, 32
+# LEARN_EVERY. A learned run costs tens of us after the runtime's compute (docs/benchmarks.md, "Per-run
+# overhead"): sampled more often, such runs move the median run.
+LEARN_ALL, LEARN_EVERY = 32, 128
 
 
 @dataclass
@@ -114,10 +115,7 @@ class AdaptiveRunner:
         self._recovering = threading.Lock()  # one recovery from a failed partition at a time
         self._racing = threading.Lock()  # one race between close plans at a time
         self._background: threading.Thread | None = None
-        self._runs = 0
-        self._next_check = self.replan_every
-        self._next_memory = 0.0
-        self._backoff = 1
+        self._runs, self._next_check, self._next_memory, self._backoff = 0, self.replan_every, 0.0, 1
         self._rivals: list[Plan | _Active] = []  # close plans to race on the next caller's inputs
         self._raced: set[frozenset[str]] = set()  # pairs of assignments already raced
         self._checked: dict[Key, float] = {}  # the corrections the last re-plan check saw
@@ -126,6 +124,7 @@ class AdaptiveRunner:
         self._active = self._install_fresh(version=0)
         self._shapes: ShapeRouter[AdaptiveRunner] = ShapeRouter(graph, self._for_shape, max_entries=max_shapes,
                                                                 on_evict=lambda _k, r: r.close())
+        self._home = self._shapes.probe
         trial.release_garbage()  # what calibrating and compiling left behind, before the first run
 
     # -- public --------------------------------------------------------------
@@ -144,20 +143,21 @@ class AdaptiveRunner:
         When close plans wait to be raced (see the module notes), this run races them first. Inputs
         at sizes of another shape bucket (:mod:`dspark.placement.shapes`) run on that bucket's plan,
         bid and placed at its sizes when first seen; sizes the graph cannot take raise ShapeMismatch."""
+        n = (active := self._active).runs
+        # A run not learned from, with no race waiting, on sizes seen in the home bucket: the lean path,
+        # reading as few objects through as few calls as it takes (docs/benchmarks.md, "Per-run overhead").
+        if n >= LEARN_ALL and (n + 1) % LEARN_EVERY and not self._rivals:
+            one, seen, home = self._home
+            if seen.get((getattr(inputs.get(one), "shape", None),)) is home if one else self._shapes.at_home(inputs):
+                active.runs, self._runs = n + 1, self._runs + 1  # under the GIL; a lost count only shifts sampling
+                try:
+                    return lean(inputs)[0] if (lean := active.compiled.lean_run) else active.compiled.run(inputs)
+                except PartitionFailed as exc:
+                    self._recover(active, exc)
         if not self._shapes.at_home(inputs) and (other := self._shapes.route(inputs)) is not None:
             return other.run(inputs)
         if self._rivals:
             self._race(inputs)
-        active = self._active
-        if active.runs >= LEARN_ALL and (active.runs + 1) % LEARN_EVERY:  # a run not learned from: lean
-            try:
-                outputs = active.compiled.run(inputs)
-            except PartitionFailed as exc:
-                self._recover(active, exc)
-            else:  # free memory is looked at on the runs learned from
-                self._runs += 1  # under the GIL; a count lost between threads only shifts the sampling
-                active.runs += 1
-                return outputs
         while True:
             with self._swap:
                 active = self._active

@@ -11,7 +11,8 @@ and a C layout is passed on as it is, never copied.
 
 The hot path is lean: a one-partition plan runs its executable in the
 caller's thread with nothing but the dtype check, the lock and two clock
-reads around it; the runtime-time feedback to calibration
+reads around it, all in one closure (``CompiledPlan.lean_run``) that holds
+what it reads; the runtime-time feedback to calibration
 (:func:`dspark.sdk.calibration.observe_run`) sees every run of a plan's
 first ``OBSERVE_ALL`` and then one in ``OBSERVE_EVERY``.
 """
@@ -21,10 +22,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, cast
 
 import numpy as np
 from dspark.placement.bidding import compile_on
@@ -36,7 +37,7 @@ from dspark.types import Device, Executable
 
 HISTORY_LEN = 1000  # measurements kept per partition
 OBSERVE_ALL = 32  # runs of a compiled plan that all feed calibration's observations
-OBSERVE_EVERY = 32  # after those, one run in this many does
+OBSERVE_EVERY = 128  # after those, one run in this many (a sampled run is slow enough to move the median)
 
 
 class PlanError(ValueError):
@@ -175,12 +176,8 @@ class CompiledPlan:
         self._single = self._order[0] if len(self._order) == 1 else None
         self._spans: dict[int, Span] = {}
         self._last: tuple[int, float, float, int] | None = None  # a lean run's span (thread ident), made lazily
-        if self._single is not None:
-            pid = self._single
-            ins, outs = self._io[pid]
-            self._lean = (pid, self.parts[pid], self._locks[self._lock_key(self.parts[pid])],
-                          [(n, self._dtype[n]) for n in self.graph.inputs], list(ins) == list(self.graph.inputs),
-                          [(t, self._dtype[t]) for t in outs], list(outs) == list(self.graph.outputs))
+        # A one-partition plan's run as one closure (callers on a hot path call it directly).
+        self.lean_run: _LeanRun | None = _lean_path(self) if self._single is not None else None
 
     def _lock_key(self, part: Partition) -> str:
         return part.target.device_id if self.lock_by == "device" else part.target.key
@@ -204,15 +201,15 @@ class CompiledPlan:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph once on host arrays keyed by graph input names; return its outputs."""
-        if self._single is not None:
-            return self._run_lean(inputs)[0]
+        if (lean := self.lean_run) is not None:
+            return lean(inputs)[0]
         return self.run_timed(inputs)[0]
 
     def run_timed(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[int, Span]]:
         """:meth:`run`, also returning this run's spans (``last_spans`` may already be another thread's)."""
-        if self._single is not None:  # one partition: no scheduling, no pool
-            out, start, end = self._run_lean(inputs)
-            return out, {self._single: Span(start, end, threading.current_thread().name)}
+        if (lean := self.lean_run) is not None:  # one partition: no scheduling, no pool
+            out, start, end = lean(inputs)
+            return out, {lean.pid: Span(start, end, threading.current_thread().name)}
         env = self._inputs(inputs)
         spans: dict[int, Span] = {}
         self._schedule(env, spans)
@@ -226,7 +223,7 @@ class CompiledPlan:
             self._observe(spans, env)
         return {name: env[name] for name in self.graph.outputs}, spans
 
-    def _inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _inputs(self, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
         try:
             return {n: _conform(inputs[n], self._dtype[n]) for n in self.graph.inputs}
         except KeyError:
@@ -237,37 +234,6 @@ class CompiledPlan:
         from dspark.sdk.calibration import observe_run  # real run times correct the calibrations bids used
 
         observe_run(self, spans, env)
-
-    def _run_lean(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float, float]:
-        """A one-partition plan's run: the fewest steps around the executable (every object touched
-        between two runtime calls costs cache misses, docs/benchmarks.md "Per-run overhead")."""
-        pid, part, lock, ins, direct, outs, same_out = self._lean
-        feed: dict[str, np.ndarray] = {}
-        try:
-            for n, want in ins:
-                v = inputs[n]
-                feed[n] = v if type(v) is np.ndarray and v.dtype == want and v.flags.c_contiguous \
-                    else _conform(v, want)
-        except KeyError:
-            self._inputs(inputs)  # raises, naming what is missing
-        with lock:
-            start = time.perf_counter()
-            try:
-                raw = self.executables[pid].run(feed if direct else {t: feed[t] for t in self._io[pid][0]})
-            except Exception as exc:
-                raise PartitionFailed(part, f"{type(exc).__name__}: {exc}") from exc
-            end = time.perf_counter()
-        try:
-            out = {t: v if type(v := raw[t]) is np.ndarray and v.dtype == want and v.flags.c_contiguous
-                   else _conform(v, want) for t, want in outs}
-        except Exception:  # noqa: BLE001 (said precisely by the checks below)
-            out = self._outputs(part, raw, self._io[pid][1])
-        self._last = (pid, start, end, threading.get_ident())
-        self.history[pid].append((end - start) * 1e3)
-        runs = self.runs = self.runs + 1  # under the GIL; a count lost between threads only shifts sampling
-        if runs <= OBSERVE_ALL or runs % OBSERVE_EVERY == 0:
-            self._observe({pid: Span(start, end, threading.current_thread().name)}, feed)
-        return (out if same_out else {name: {**feed, **out}[name] for name in self.graph.outputs}), start, end
 
     def _schedule(self, env: dict[str, np.ndarray], spans: dict[int, Span]) -> None:
         """Run every partition in dependency order: chains in this thread, independent ones in the pool."""
@@ -338,6 +304,65 @@ class CompiledPlan:
         reduce = reducer or (lambda xs: float(np.median(list(xs))))
         with self._stats:
             return {k: reduce(v) for k, v in self.history.items() if v}
+
+
+class _LeanRun(Protocol):
+    pid: int
+
+    def __call__(self, inputs: Mapping[str, object]) -> tuple[dict[str, np.ndarray], float, float]: ...
+
+
+def _lean_path(plan: CompiledPlan) -> _LeanRun:
+    """A one-partition plan's run, as one closure over everything it reads: the fewest objects touched
+    around the executable, since each costs cache misses after the runtime's compute (docs/benchmarks.md,
+    "Per-run overhead"). Returns the outputs and the call's clock reads."""
+    pid = plan._order[0]
+    part = plan.parts[pid]
+    lock = plan._locks[plan._lock_key(part)]
+    sub_in, sub_out = plan._io[pid]
+    ins = [(n, plan._dtype[n]) for n in plan.graph.inputs]
+    outs = [(t, plan._dtype[t]) for t in sub_out]
+    direct, same_out = list(sub_in) == list(plan.graph.inputs), list(sub_out) == list(plan.graph.outputs)
+    executables, history, graph_outputs = plan.executables, plan.history[pid], plan.graph.outputs
+    clock, ident, ndarray = time.perf_counter, threading.get_ident, np.ndarray
+
+    def run(inputs: Mapping[str, object]) -> tuple[dict[str, np.ndarray], float, float]:
+        feed: dict[str, np.ndarray] = {}
+        try:
+            for n, want in ins:
+                v = inputs[n]
+                feed[n] = v if type(v) is ndarray and v.dtype == want and v.flags.c_contiguous \
+                    else _conform(v, want)
+        except KeyError:
+            plan._inputs(inputs)  # raises, naming what is missing
+        with lock:
+            start = clock()
+            try:
+                raw = executables[pid].run(feed if direct else {t: feed[t] for t in sub_in})
+            except Exception as exc:
+                raise PartitionFailed(part, f"{type(exc).__name__}: {exc}") from exc
+            end = clock()
+        out: dict[str, np.ndarray] = {}
+        try:
+            for t, want in outs:
+                v = raw[t]
+                out[t] = v if type(v) is ndarray and v.dtype == want and v.flags.c_contiguous \
+                    else _conform(v, want)
+        except Exception:  # noqa: BLE001 (said precisely by the checks in _outputs)
+            out = plan._outputs(part, raw, sub_out)
+        plan._last = (pid, start, end, ident())
+        history.append((end - start) * 1e3)
+        runs = plan.runs = plan.runs + 1  # under the GIL; a count lost between threads only shifts sampling
+        if runs <= OBSERVE_ALL or runs % OBSERVE_EVERY == 0:
+            plan._observe({pid: Span(start, end, threading.current_thread().name)}, feed)
+        if not same_out:
+            every = {**feed, **out}
+            out = {name: every[name] for name in graph_outputs}
+        return out, start, end
+
+    lean = cast(_LeanRun, run)
+    lean.pid = pid
+    return lean
 
 
 def compile_plan(graph: Graph, plan: Plan, host: PluginHost, inv: Inventory, *,

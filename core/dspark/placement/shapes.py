@@ -320,6 +320,12 @@ class ShapeRouter(Generic[T]):
         """Whether ``inputs`` have sizes seen before in the home bucket (the hot path's one check)."""
         return self._seen.get(self._shapes(inputs)) is self.home
 
+    @property
+    def probe(self) -> tuple[str | None, dict[tuple[object, ...], BucketKey], BucketKey]:
+        """What :meth:`at_home` reads, for a hot path to check one-input graphs inline: (the one input's
+        name, or None; the sizes seen, as ``(shape,)`` -> bucket, filled in place; the home bucket)."""
+        return self._one, self._seen, self.home
+
     def route(self, inputs: Mapping[str, Any]) -> T | None:
         shapes = self._shapes(inputs)
         key = self._seen.get(shapes)
