@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,9 +141,7 @@ def interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8)
 def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     from dspark.host.inventory import probe
     from dspark.host.plugin_manager import PluginHost
-    from dspark.placement import executor
     from dspark.placement.adaptive import AdaptiveRunner
-    from dspark.sdk.calibration import observe_run
 
     graph, feeds = _graph(name)
     host = PluginHost().load()
@@ -169,7 +169,34 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     row["compiled_over_us"] = row["compiled_plan_us"] - row["executable_us"]
     row["adaptive_over_us"] = row["adaptive_us"] - row["executable_us"]
     row["adaptive_ratio"] = row["adaptive_us"] / row["executable_us"]
-    # Itemised, on a null executable.
+    # Itemised, on a null executable; what calibration feedback sees of it stays out of the user's cache.
+    with _scratch_cache():
+        _itemise(row, compiled, runner, graph, exe, pid, direct, feeds, runs)
+    runner.close()
+    return row
+
+
+@contextlib.contextmanager
+def _scratch_cache() -> Iterator[None]:
+    """Point dspark's disk cache at a temporary folder: the fake executables' run times must not become
+    calibrations."""
+    old = os.environ.get("DSPARK_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="dspark-overhead-") as tmp:
+        os.environ["DSPARK_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("DSPARK_CACHE_DIR", None)
+            else:
+                os.environ["DSPARK_CACHE_DIR"] = old
+
+
+def _itemise(row: dict[str, Any], compiled: Any, runner: Any, graph: Any, exe: Any, pid: int,
+             direct: dict[str, np.ndarray], feeds: dict[str, np.ndarray], runs: int) -> None:
+    from dspark.placement import executor
+    from dspark.sdk.calibration import observe_run
+
     outputs = exe.run(direct)
     null = _Null({k: np.asarray(v) for k, v in outputs.items()})
     compiled.executables[pid] = null
@@ -187,8 +214,6 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     row["itemised_us"] = {k: round(v, 2) for k, v in pieces.items()}
     row["cold_us"] = {k: round(v, 1) for k, v in _cold(compiled, runner, pid, null.outputs, direct, feeds,
                                                          runs).items()}
-    runner.close()
-    return row
 
 
 def _cold(compiled: Any, runner: Any, pid: int, outputs: dict[str, np.ndarray], direct: dict[str, np.ndarray],

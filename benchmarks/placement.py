@@ -174,6 +174,7 @@ def bench_model(name: str, workdir: Path, rounds: int, runs: int) -> dict[str, A
         "err_after": statistics.median(after) if after else None,
         "plan_err_before": statistics.median(d["err"]["uncorrected"] or 0 for d in ds),
         "plan_err_after": statistics.median(d["err"]["corrected"] or 0 for d in ds),
+        "plan_err_per_process": [d["err"] for d in ds],
         "settle runs": [d.get("settle_runs") for d in ds], "settled": all(d.get("settled") for d in ds),
         "decision": plans[-1].get("decision", ""), "gate": plans[-1].get("gate", ""),
         "replans": " | ".join("; ".join(d["replans"]) or "none" for d in ds), "n/a": {labels[k]: v for k, v in na.items()},

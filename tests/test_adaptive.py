@@ -255,6 +255,27 @@ def test_a_partition_failing_on_the_lean_path_is_charged_and_the_run_is_served(
     runner.close()
 
 
+def test_a_replan_marks_the_runs_beside_it_as_no_evidence_for_calibration(
+        demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    from dspark.sdk.calibration import observations
+
+    graph, x, ref = demo
+    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu"})).load()
+    runner = AdaptiveRunner(graph, host, probe(host), min_runs=10**9, measure_close=False)
+    seen: list[int] = []
+    real = runner._adapt
+
+    def adapt(reason: str) -> bool:
+        seen.append(observations._beside)  # what a run reported from another thread meanwhile would meet
+        return real(reason)
+
+    runner._adapt = adapt  # type: ignore[method-assign]
+    runner.adapt()
+    assert seen == [1] and observations._beside == 0
+    np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
+    runner.close()
+
+
 @pytest.mark.parametrize("bad,stage", [("CompileFailsOnSoftmax", "compile"), ("RaisesAtRun", "run")])
 def test_a_failing_partition_is_planned_around_and_the_runner_goes_on(
         demo: tuple[Graph, dict[str, np.ndarray], np.ndarray], bad: str, stage: str) -> None:

@@ -197,6 +197,23 @@ def test_slow_runs_on_a_busy_host_do_not_replace_an_entry(scripted: tuple[Clock,
     assert store.load(calibration.cache_key(sg, device, "scripted 1"))["latency_s"] == pytest.approx(SPIKE)
 
 
+def test_runs_reported_while_the_process_plans_beside_them_are_not_recorded(scripted: tuple[Clock, Spike]) -> None:
+    """A background re-plan's bids and compiles share the cores: its neighbours' slow runs must not replace an
+    entry once the host looks quiet again."""
+    from dspark.sdk.calibration.observations import planning_beside
+
+    clock, spike = scripted
+    compiles: list[int] = []
+    assert _calibrate(clock, spike, compiles).latency_s == pytest.approx(FAST)
+    sg, device = _relu(), _device()
+    with planning_beside():
+        assert {calibration.observe(sg, device, SPIKE) for _ in range(2 * calibration.OBSERVE_MIN)} == {"pending"}
+    # Nothing was recorded: the window starts afresh, and quiet runs that agree keep the entry.
+    verdicts = [calibration.observe(sg, device, FAST) for _ in range(calibration.OBSERVE_MIN)]
+    assert verdicts == ["pending"] * (calibration.OBSERVE_MIN - 1) + ["kept"]
+    assert store.load(calibration.cache_key(sg, device, "scripted 1"))["latency_s"] == pytest.approx(FAST)
+
+
 def test_subgraphs_nobody_calibrated_are_not_judged(scripted: tuple[Clock, Spike]) -> None:
     verdicts = {calibration.observe(_relu(), _device("other"), FAST) for _ in range(2 * calibration.OBSERVE_MIN)}
     assert verdicts == {"pending", "uncalibrated"}

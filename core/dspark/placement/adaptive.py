@@ -51,6 +51,7 @@ from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
 from dspark.placement.plan import Plan
 from dspark.host.plugin_manager import PluginHost
+from dspark.sdk.calibration.observations import planning_beside
 
 log = get_logger("dspark.placement.adaptive")
 
@@ -103,8 +104,7 @@ class AdaptiveRunner:
         self.threshold, self.min_runs, self.alpha = threshold, min_runs, alpha
         self.replan_every = replan_every or min_runs
         self.free_memory = free_memory or host_free_memory(self.inv)
-        self.lock_by, self.warmup = lock_by, warmup
-        self.memory_every_s, self.measure_close = memory_every_s, measure_close
+        self.lock_by, self.warmup, self.memory_every_s, self.measure_close = lock_by, warmup, memory_every_s, measure_close
         self.table = table or placer.collect_op_bids(host, self.inv, graph)
         self.replans: list[str] = []
         self.history: deque[RunRecord] = deque(maxlen=10_000)  # the runs learned from
@@ -212,7 +212,8 @@ class AdaptiveRunner:
         if not self._adapting.acquire(blocking=False):
             return False  # another thread is re-planning; this one keeps serving
         try:
-            return self._adapt(reason)
+            with planning_beside():  # the runs beside it are not calibration's evidence
+                return self._adapt(reason)
         finally:
             self._adapting.release()
 
@@ -383,8 +384,7 @@ class AdaptiveRunner:
         if now < self._next_memory or active is not self._active:
             return None
         self._next_memory = now + self.memory_every_s
-        memory = self._memory_problems(active)
-        return "memory: " + "; ".join(memory) if memory else None
+        return "memory: " + "; ".join(memory) if (memory := self._memory_problems(active)) else None
 
     def _learn(self, part: PartCost, ratio: float) -> None:
         """Fold one measured / raw ratio into the corrections of the partition's op types (under _stats)."""

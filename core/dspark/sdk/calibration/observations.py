@@ -13,16 +13,22 @@ the entries this process's bids came from (:mod:`.store`):
   the whole subgraph runs (beyond the tolerance), is dropped, to be measured
   again by the next plan: contention only ever adds time, so such an entry
   was measured under load.
+
+Runs reported while this process plans beside them (:func:`planning_beside`:
+a background re-plan's bids and compiles share the cores with the runs) are
+not recorded at all: the host's load, looked at when judging, may have
+calmed by then, and such runs would replace an entry with their slowness.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import threading
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -83,6 +89,23 @@ _watches: dict[store.Identity, _Watch] = {}  # observe()'s, by subgraph identity
 _plans: dict[int, tuple[weakref.ref[Any], dict[int, tuple[Any, _Watch]]]] = {}
 
 
+_beside = 0  # planning under way in this process beside the runs reported (see planning_beside)
+
+
+@contextlib.contextmanager
+def planning_beside() -> Iterator[None]:
+    """Mark planning work (bids, compiles) that runs in this process beside its callers' runs: runs
+    reported meanwhile share the cores with it, prove nothing about the runtime, and are not recorded."""
+    global _beside
+    with _lock:
+        _beside += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _beside -= 1
+
+
 def _tolerance(used: store.Used) -> float:
     return config.COLD_OBSERVE_TOLERANCE if used.cold else config.OBSERVE_TOLERANCE
 
@@ -125,10 +148,13 @@ def observe(subgraph: Subgraph, device: Device, seconds: float,
     ``seconds``; what became of the calibrations it is compared with (see the module notes).
 
     ``inputs``: the run's inputs; a run at other shapes than the calibration's (the dim hints)
-    is not comparable and is ignored ("uncalibrated"). "pending": not enough runs yet.
+    is not comparable and is ignored ("uncalibrated"). "pending": not enough runs yet, or a run
+    reported while this process plans beside it (not recorded).
     """
     if not config.enabled():
         return "uncalibrated"
+    if _beside:
+        return "pending"
     ident = store.identity(subgraph, device)
     with _lock:
         watch = _watches.get(ident)
@@ -149,7 +175,7 @@ def observe_run(compiled: Any, spans: Mapping[int, _Span], env: Mapping[str, Any
     """:func:`observe` for every partition of one run of a compiled plan (its ``graph``, ``parts``
     and ``devices``), from the run's ``spans`` and tensors ``env``. Cheap when nothing of the plan
     was calibrated in this process: it returns at once."""
-    if not config.enabled() or not spans:
+    if not config.enabled() or not spans or _beside:
         return
     with _lock:
         held = _plans.get(id(compiled))
