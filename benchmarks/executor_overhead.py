@@ -26,7 +26,6 @@ Then the overhead itemised, twice, in microseconds per run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -34,9 +33,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -111,16 +111,6 @@ def paired(fns: dict[str, Callable[[], object]], base: str, rounds: int) -> dict
     return {k: statistics.median(v) for k, v in diffs.items()}
 
 
-@contextlib.contextmanager
-def _constant(module: Any, name: str, value: int) -> Iterator[None]:
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def interleaved(fns: dict[str, Callable[[], object]], runs: int, block: int = 8) -> dict[str, float]:
     """Medians in us; blocks of ``block`` runs (after one untimed), in a shuffled order each round so that
     no contender always follows the same one."""
@@ -170,26 +160,11 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
     row["adaptive_over_us"] = row["adaptive_us"] - row["executable_us"]
     row["adaptive_ratio"] = row["adaptive_us"] / row["executable_us"]
     # Itemised, on a null executable; what calibration feedback sees of it stays out of the user's cache.
-    with _scratch_cache():
+    with tempfile.TemporaryDirectory(prefix="dspark-overhead-") as tmp, \
+            mock.patch.dict(os.environ, {"DSPARK_CACHE_DIR": tmp}):
         _itemise(row, compiled, runner, graph, exe, pid, direct, feeds, runs)
     runner.close()
     return row
-
-
-@contextlib.contextmanager
-def _scratch_cache() -> Iterator[None]:
-    """Point dspark's disk cache at a temporary folder: the fake executables' run times must not become
-    calibrations."""
-    old = os.environ.get("DSPARK_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="dspark-overhead-") as tmp:
-        os.environ["DSPARK_CACHE_DIR"] = tmp
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("DSPARK_CACHE_DIR", None)
-            else:
-                os.environ["DSPARK_CACHE_DIR"] = old
 
 
 def _itemise(row: dict[str, Any], compiled: Any, runner: Any, graph: Any, exe: Any, pid: int,
@@ -225,12 +200,12 @@ def _cold(compiled: Any, runner: Any, pid: int, outputs: dict[str, np.ndarray], 
     compiled.executables[pid] = evict
     base = {"executable": lambda: evict.run(direct)}
     never = 10**9
-    with _constant(adaptive, "LEARN_EVERY", never), _constant(executor, "OBSERVE_EVERY", never):
+    with mock.patch.object(adaptive, "LEARN_EVERY", never), mock.patch.object(executor, "OBSERVE_EVERY", never):
         out = paired({**base, "lean_run": lambda: compiled.run(feeds),
                       "adaptive_not_learned": lambda: runner.run(feeds)}, "executable", runs)
-    with _constant(adaptive, "LEARN_EVERY", 1), _constant(executor, "OBSERVE_EVERY", never):
+    with mock.patch.object(adaptive, "LEARN_EVERY", 1), mock.patch.object(executor, "OBSERVE_EVERY", never):
         out |= paired({**base, "adaptive_learned": lambda: runner.run(feeds)}, "executable", runs)
-    with _constant(executor, "OBSERVE_EVERY", 1):
+    with mock.patch.object(executor, "OBSERVE_EVERY", 1):
         out |= paired({**base, "lean_run_with_calibration": lambda: compiled.run(feeds)}, "executable", runs)
     out["adaptive_as_shipped"] = paired({**base, "run": lambda: runner.run(feeds)}, "executable", runs)["run"]
     out["learned_extra_amortised"] = (out["adaptive_learned"] - out["adaptive_not_learned"]) / adaptive.LEARN_EVERY

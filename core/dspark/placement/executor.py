@@ -173,11 +173,10 @@ class CompiledPlan:
         self.history = {p.id: deque(maxlen=HISTORY_LEN) for p in self.plan.partitions}
         boundary = {t for ins, outs in self._io.values() for t in (*ins, *outs)} | set(self.graph.inputs)
         self._dtype = {t: _declared_dtype(self.graph, t) for t in boundary}
-        self._single = self._order[0] if len(self._order) == 1 else None
         self._spans: dict[int, Span] = {}
         self._last: tuple[int, float, float, int] | None = None  # a lean run's span (thread ident), made lazily
         # A one-partition plan's run as one closure (callers on a hot path call it directly).
-        self.lean_run: _LeanRun | None = _lean_path(self) if self._single is not None else None
+        self.lean_run: _LeanRun | None = _lean_path(self) if len(self._order) == 1 else None
 
     def _lock_key(self, part: Partition) -> str:
         return part.target.device_id if self.lock_by == "device" else part.target.key
