@@ -64,6 +64,12 @@ def test_ngram_plugin_passes_its_drafter_check(monkeypatch: pytest.MonkeyPatch) 
     assert [r.case for r in drafters] == ["prompt-lookup", "suffix-lookup"] and all(r.ok for r in drafters)
 
 
+def test_summary_names_the_plugin_checked() -> None:
+    report = check_plugin("torch", cases=[])
+    assert report.summary().startswith("conformance of plugin 'torch': ")
+    assert report.summary(only_problems=True).startswith("conformance of plugin 'torch': ")
+
+
 def test_unknown_plugin_is_a_finding() -> None:
     report = check_plugin("no-such-plugin")
     assert not report.ok
@@ -175,8 +181,10 @@ def test_pytest_base_class_turns_findings_into_failures_and_skips() -> None:
     suite.test_probe_valid_idempotent_fast()
     suite.test_bids_well_formed()
     suite.test_op_matches_reference("Add")
-    with pytest.raises(pytest.fail.Exception, match="Relu"):
+    with pytest.raises(pytest.fail.Exception, match="Relu") as failed:
         suite.test_op_matches_reference("Relu")
+    # The failure's report names the plugin it checked (it once printed "conformance of plugin ''").
+    assert "conformance of plugin 'broken2': 0 passed, 1 failed" in str(failed.value)
     with pytest.raises(pytest.skip.Exception, match="not implemented"):
         suite.test_quantize()
     with pytest.raises(pytest.skip.Exception, match="not implemented"):

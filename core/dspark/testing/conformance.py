@@ -65,11 +65,11 @@ class PluginConformance:
         kit: ConformanceKit = cls.__dict__["_dspark_kit"]
         return kit
 
-    @staticmethod
-    def _assert(results: list[CheckResult]) -> None:
+    def _assert(self, results: list[CheckResult]) -> None:
         import pytest
 
-        report = ConformanceReport(plugin="", results=results)
+        # The report's first line names the plugin: a failure in a suite checking several must say whose it is.
+        report = ConformanceReport(plugin=self.plugin, results=results, record=self._kit().record)
         if report.failures:
             pytest.fail("\n" + report.summary(only_problems=True), pytrace=False)
         if results and all(r.skipped for r in results):
