@@ -238,3 +238,63 @@ def test_one_partition_plan_checks_and_conforms_what_its_executable_returns() ->
         compiled.run(x)
     with pytest.raises(KeyError, match=r"missing graph inputs \['x'\]"):
         compiled.run({})
+
+
+class RecordsCompiles:
+    """The torch reference's bids and kernels, remembering every subgraph it is asked to compile."""
+
+    DSPARK_API_VERSION = "1.0"
+
+    def __init__(self) -> None:
+        from dspark.builtin import torch_ref
+
+        self.ref = torch_ref
+        self.compiled: list[list[str]] = []
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> list[Device]:
+        return [d for d in self.ref.dspark_probe_devices(refresh) if d.id == "cpu"]
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Subgraph, device: Device) -> Bid | None:
+        return self.ref.dspark_bid(subgraph, device)
+
+    @hookimpl
+    def dspark_compile(self, subgraph: Subgraph, device: Device) -> object:
+        self.compiled.append([op.op_type for op in subgraph.ops])
+        return self.ref.TorchExecutable(subgraph, device.id)
+
+
+def _constants_model() -> onnx.ModelProto:
+    # y = relu(x); k is a Constant that is also an output, d a Constant nothing reads (as ONNX's expanded
+    # functions leave behind), s a float scalar written as value_float.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, [2]),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, [])]
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array([4, 5], np.int64))),
+             helper.make_node("Constant", [], ["d"], value=numpy_helper.from_array(np.ones(3, np.float32))),
+             helper.make_node("Constant", [], ["s"], value_float=2.5)]
+    return helper.make_model(helper.make_graph(nodes, "constants", [x], outs),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_dead_ops_are_dropped_and_constant_partitions_never_reach_a_plugin() -> None:
+    graph = Graph.from_onnx(_constants_model())
+    assert [op.op_type for op in graph.ops] == ["Relu", "Constant", "Constant"]  # the unread Constant is gone
+    plugin = RecordsCompiles()
+    host = PluginHost(PluginSettings(autoload=False))
+    host.register(plugin, "rec")
+    inv = probe(host)
+    plan = forced_plan(graph, inv, lambda _op: "rec@cpu")
+    assert len(plan.partitions) == 3  # relu, and each output Constant alone
+    x = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], np.float32)
+    compiled = compile_plan(graph, plan, host, inv)
+    out = compiled.run({"x": x})
+    assert plugin.compiled == [["Relu"]]  # the Constants were answered by the core
+    np.testing.assert_array_equal(out["y"], np.maximum(x, 0))
+    assert out["k"].dtype == np.int64 and out["k"].tolist() == [4, 5]
+    assert out["s"].dtype == np.float32 and out["s"].shape == () and float(out["s"]) == 2.5
+    out["k"][0] = 9  # outputs are the caller's: a second run still answers the constant
+    assert compiled.run({"x": x})["k"].tolist() == [4, 5]

@@ -208,8 +208,26 @@ def read_onnx(
         ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain, inputs=[*node.input, *captures],
                       outputs=list(node.output), attrs=attrs, captures=captures))
     inputs = [i.name for i in g.input if i.name not in inits]
+    ops = live_ops(ops, [o.name for o in g.output])
     return {"name": name or g.name or Path(source).stem, "opset": opset, "ops": ops, "tensors": tensors,
             "inputs": inputs, "outputs": [o.name for o in g.output], "initializers": inits, "dim_hints": hints}
+
+
+def live_ops(ops: list[Op], outputs: Collection[str]) -> list[Op]:
+    """``ops`` without the dead ones: an op none of whose outputs reaches a graph output.
+
+    Expanded ONNX functions leave such ops behind (a ``Constant`` nobody reads);
+    a plan would otherwise hand each one to a plugin as a partition of its own.
+    ONNX ops have no side effects, so nothing is lost; a control-flow op's
+    captures are among its inputs, so what its bodies read stays live.
+    """
+    wanted = set(outputs)
+    live: list[Op] = []
+    for op in reversed(ops):  # ONNX nodes are topologically sorted: consumers come after producers
+        if wanted.intersection(op.outputs):
+            live.append(op)
+            wanted.update(t for t in op.inputs if t)
+    return live[::-1] if len(live) != len(ops) else ops
 
 
 def _loop_carried_shapes(g: onnx.GraphProto, tensors: dict[str, TensorSpec]) -> None:

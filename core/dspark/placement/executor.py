@@ -364,15 +364,58 @@ def _lean_path(plan: CompiledPlan) -> _LeanRun:
     return lean
 
 
+# A Constant's value lives in one of these attributes, as the dtype ONNX gives it.
+_CONSTANT_ATTRS = {"value": None, "value_float": np.float32, "value_floats": np.float32,
+                   "value_int": np.int64, "value_ints": np.int64}
+
+
+@dataclass(frozen=True)
+class ConstantValues:
+    """A partition made only of ``Constant`` ops, answered by the core: its values, copied per run.
+
+    Such a partition has no work for a runtime, and a runtime given a graph with
+    no inputs may refuse it (ONNX Runtime does), so no plugin is ever handed one.
+    """
+
+    values: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, graph: Graph, ops: Iterable[str]) -> ConstantValues | None:
+        """The values of ``ops`` when every one is a ``Constant`` with a value the core can read; else None."""
+        values: dict[str, np.ndarray] = {}
+        by_name = {op.name: op for op in graph.ops}
+        for name in ops:
+            op = by_name[name]
+            if op.op_type != "Constant" or op.domain not in ("", "ai.onnx") or op.inputs or len(op.outputs) != 1:
+                return None
+            key = next((k for k in _CONSTANT_ATTRS if k in op.attrs), None)
+            if key is None:  # a sparse or string value: left to the plugins
+                return None
+            value = np.asarray(op.attrs[key], dtype=_CONSTANT_ATTRS[key])
+            declared = _declared_dtype(graph, op.outputs[0])
+            values[op.outputs[0]] = value.astype(declared, copy=False) if declared is not None else value
+        return cls(values) if values else None
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.values.items()}  # the caller may write into its outputs
+
+
 def compile_plan(graph: Graph, plan: Plan, host: PluginHost, inv: Inventory, *,
                  lock_by: Literal["device", "target"] = "device") -> CompiledPlan:
-    """Compile each partition with the plugin that won it; see :class:`CompiledPlan`."""
+    """Compile each partition with the plugin that won it; see :class:`CompiledPlan`.
+
+    A partition of only ``Constant`` ops is answered by the core (:class:`ConstantValues`).
+    """
     dependencies(graph, plan)  # fail on a plan that does not fit before compiling anything
     t0 = time.perf_counter()
     exes: dict[int, Executable] = {}
     devices: dict[int, Device] = {}
     for part in plan.partitions:
         device = find_driver(inv, part)
+        constants = ConstantValues.of(graph, part.ops)
+        if constants is not None:
+            exes[part.id], devices[part.id] = constants, device
+            continue
         sub = graph.subgraph(part.ops)
         try:
             exes[part.id] = compile_on(host, device, sub)

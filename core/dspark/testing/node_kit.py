@@ -1,8 +1,11 @@
 """The kit's sample of ONNX's node tests: for every op type a plugin bids on, a few of its cases.
 
-Every op type of ONNX's node suite is offered (its single-op cases), so
-every op type the plugin would take is found, not only those of the kit's
-own op cases. Per op type, the plugin bids on the cases (calibration off, so
+Every op type of ONNX's node suite is offered (its single-op cases), and
+every function ONNX also tests expanded into its body of ops (the
+``*_expanded`` cases, grouped as ``"Op (expanded)"``), so every op type the
+plugin would take is found, not only those of the kit's own op cases. Each
+case takes the user's path (file, ``load_model``, forced plan,
+``compile_plan(...).run``: :meth:`.NodeSuiteRunner.run_case`). Per op type, the plugin bids on the cases (calibration off, so
 bids are cheap) until ``per_op`` of them are promised, trying first cases
 spread over the op type's list by name; those are compiled, run and
 compared with ONNX's expected outputs. An op type it abstains on is offered
@@ -21,12 +24,30 @@ from dspark.testing.report import CheckResult
 CHECK = "ONNX node test"
 
 
+EXPANDED = " (expanded)"
+
+
 def single_op_cases(op_types: Iterable[str] | None = None) -> dict[str, list[NodeCase]]:
-    """The node cases made of one op type, by op type (expanded, multi-op cases are left to the full suite)."""
+    """The node cases made of one op type, by op type; the ``*_expanded`` cases of a function by
+    ``"<op type> (expanded)"`` (the op type of the case they expand). Other multi-op cases are
+    left to the full suite."""
+    wanted = set(op_types) if op_types is not None else None
+    cases = node_cases()
+    single = {c.name: next(iter(c.op_types)) for c in cases if len(c.op_types) == 1}
     by_type: dict[str, list[NodeCase]] = {}
-    for case in node_cases(op_types):
-        if len(case.op_types) == 1:
-            by_type.setdefault(next(iter(case.op_types)), []).append(case)
+    for case in cases:
+        if case.name in single:
+            key = single[case.name]
+            if wanted is not None and key not in wanted:
+                continue
+        elif case.name.endswith("_expanded") and case.name.removesuffix("_expanded") in single:
+            op = single[case.name.removesuffix("_expanded")]
+            if wanted is not None and op not in wanted:
+                continue
+            key = op + EXPANDED
+        else:
+            continue
+        by_type.setdefault(key, []).append(case)
     return by_type
 
 

@@ -1,13 +1,15 @@
-"""ONNX's own backend node tests, run through one dspark plugin.
+"""ONNX's own backend node tests, run through one dspark plugin the way a user runs a model.
 
 The ONNX project writes a test for every op at every opset that changed it
 (``onnx.backend.test.case.node``: 1,884 models of one op, or of its function
 expanded, with inputs and expected outputs). This module builds them from the installed ``onnx``
-package (the wheel ships the generators, not the data files), imports each
-model through dspark's own importer and runs it as a forced single-target
-plan on one plugin: the whole graph is one subgraph, the plugin's
-``dspark_bid`` decides whether it abstains or promises, and a promise is
-compiled, run and checked against ONNX's expected outputs.
+package (the wheel ships the generators, not the data files) and takes each
+one down the user's path: the model is saved to a file and read back with
+:func:`dspark.graph.importers.load_model`; the plugin's ``dspark_bid`` on the
+whole graph decides whether it abstains or promises; a promise becomes a plan
+forcing every op onto that plugin's device, compiled with
+:func:`~dspark.placement.executor.compile_plan` and run with its ``run``, and
+the outputs are checked against ONNX's expected ones.
 
 Outcomes per case: ``abstain`` (no bid: fine), ``pass``, ``wrong`` (outputs
 differ), ``failed`` (bid, then the bid, compile or run raised or compile
@@ -24,6 +26,7 @@ import contextlib
 import functools
 import os
 import pickle
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -34,6 +37,7 @@ import numpy as np
 import onnx
 
 from dspark.graph.model import Graph
+from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost, _call_with_timeout
 from dspark.testing.compare import compare
 from dspark.testing.kit import ConformanceKit
@@ -175,7 +179,8 @@ _IMPORTED: dict[str, tuple[Graph | None, str]] = {}
 def import_case(case: NodeCase) -> tuple[Graph | None, str]:
     """(graph, "") when dspark's importer represents the case whole; (None, why) when it cannot.
 
-    Cached per case: every plugin run in a process sees the same graph.
+    The model is saved to a file and loaded with :func:`~dspark.graph.importers.load_model`,
+    as a user loads one. Cached per case: every plugin run in a process sees the same graph.
     """
     if case.name not in _IMPORTED:
         _IMPORTED[case.name] = _import(case)
@@ -183,8 +188,13 @@ def import_case(case: NodeCase) -> tuple[Graph | None, str]:
 
 
 def _import(case: NodeCase) -> tuple[Graph | None, str]:
+    from dspark.graph.importers import load_model
+
     try:
-        graph = Graph.from_onnx(case.model, name=case.name)
+        with tempfile.TemporaryDirectory(prefix="dspark-node-") as tmp:
+            path = os.path.join(tmp, f"{case.name}.onnx")
+            onnx.save(case.model, path)
+            graph = load_model(path, name=case.name)
     except Exception as exc:  # noqa: BLE001  (the importer's verdict: the graph model cannot hold it)
         return None, f"{type(exc).__name__}: {exc}"
     if not graph.ops:
@@ -244,6 +254,14 @@ class NodeSuiteRunner:
                                     f"(devices: {[d.id for d in self.kit.devices]})")
         self.device: Device = pick[0]
         self._bids: dict[str, tuple[Bid | None, str | None]] = {}
+        self._inv: Inventory | None = None
+
+    @property
+    def inventory(self) -> Inventory:
+        """The host's inventory, as ``dspark.host.inventory.probe`` gives it to a user's plan."""
+        if self._inv is None:
+            self._inv = probe(self.kit.host)
+        return self._inv
 
     def _result(self, case: NodeCase, outcome: str, detail: str = "") -> CaseResult:
         return CaseResult(case.name, tuple(sorted(case.op_types)), outcome, detail, self.device.id, self.plugin)
@@ -265,30 +283,39 @@ class NodeSuiteRunner:
         return self._result(case, "abstain") if bid is None else None
 
     def run_case(self, case: NodeCase) -> CaseResult:
-        """Bid; on a bid, compile, run and compare with ONNX's expected outputs."""
+        """Bid on the whole graph; on a bid, plan every op onto the plugin's device, compile the plan,
+        run it and compare with ONNX's expected outputs (the user's path: ``compile_plan(...).run``)."""
+        from dspark.placement.executor import compile_plan, forced_plan
+
         if (answer := self.bid_case(case)) is not None:
             return answer
         graph, _ = import_case(case)
         assert graph is not None
         bid, _ = self._bid(case, graph)
         assert bid is not None
-        subgraph = graph.subgraph()
-        exe, problem = self.kit.call("dspark_compile", subgraph=subgraph, device=self.device)
-        if problem:
-            return self._result(case, "failed", f"compile raised: {problem}")
-        if exe is None:
-            return self._result(case, "failed", "bid, then dspark_compile returned None")
-        feeds = {n: np.array(v, copy=True) for n, v in zip(graph.inputs, case.inputs, strict=True)
-                 if n in subgraph.inputs}
+        key = f"{self.plugin}@{self.device.id}"
+        feeds = {n: np.array(v, copy=True) for n, v in zip(graph.inputs, case.inputs, strict=True)}
         timeout = self.kit.host.settings.timeout_for("dspark_compile")
         try:
-            got = _call_with_timeout(exe.run, [feeds], timeout, f"{self.plugin}.run")
-        except Exception as exc:  # noqa: BLE001  (anything the plugin's code raises is the finding)
+            plan = forced_plan(graph, self.inventory, lambda _op: key)
+            compiled = compile_plan(graph, plan, self.kit.host, self.inventory)
+        except Exception as exc:  # noqa: BLE001  (anything on the user's path is the finding)
+            self._forgive()
+            return self._result(case, "failed", f"compile raised {type(exc).__name__}: {exc}"[:500])
+        try:
+            got = _call_with_timeout(compiled.run, [feeds], timeout, f"{self.plugin}.run")
+        except Exception as exc:  # noqa: BLE001
+            self._forgive()
             return self._result(case, "failed", f"run raised {type(exc).__name__}: {exc}"[:500])
         expected = {n: np.asarray(v) for n, v in zip(graph.outputs, case.outputs, strict=True)}
         ok, detail = compare(got, expected, list(graph.outputs), bid.precision,
                              tolerance=_tolerance(bid.precision, case, expected.values()))
         return self._result(case, "pass" if ok else "wrong", detail)
+
+    def _forgive(self) -> None:
+        # Each case is judged alone: a failure charged to the plugin must not bar it from the next case.
+        if hasattr(self.kit.host, "forgive"):
+            self.kit.host.forgive(self.plugin)
 
 
 def run_node_suite(plugin_name: str, *, op_types: Iterable[str] | None = None, host: PluginHost | None = None,
