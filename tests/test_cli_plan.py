@@ -13,10 +13,10 @@ import onnx
 import pytest
 import yaml
 from dspark.placement import placer
-from dspark.cli.demo import demo_graph, demo_onnx
 from dspark.graph.model import Graph
 from dspark.placement.placer_ilp import solve
 from dspark.placement.profile import ProfileError, load_profile, parse_profile, profile_host
+from dspark.testing import demo_graph, demo_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 
-from dspark.cli.demo import demo_graph, run_demo
+from dspark.cli.demo import run_demo
 from dspark.host.inventory import probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
+from dspark.testing import demo_graph
 
 
 def test_demo_graph_is_analysed() -> None:

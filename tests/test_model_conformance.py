@@ -5,13 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from dspark.cli.demo import demo_graph
-from dspark.placement.executor import random_inputs
 from dspark.graph.importers import load_model
-from dspark.testing import check_plugin, model_op_cases
+from dspark.placement.executor import random_inputs
+from dspark.testing import REAL_MODELS, check_plugin, model_op_cases, real_model
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
@@ -20,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "models"))
 def cases() -> list:
     import zoo
 
-    out = model_op_cases(demo_graph(), {"x": np.random.default_rng(0).standard_normal((1, 32, 64)).astype(np.float32)})
+    out = [case for name in REAL_MODELS for case in real_model(name).op_cases()]  # the kit's own real models
     for factory in (zoo.tiny_cnn, zoo.tiny_transformer):
         module, example = factory()[:2]
         graph = load_model(module, example_inputs=example)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from dspark import TOLERANCES, hookimpl
-from dspark.cli.demo import demo_graph
+from dspark.testing import demo_graph
 from dspark.graph.model import Graph, Subgraph
 from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost

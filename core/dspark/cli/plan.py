@@ -62,8 +62,8 @@ def _spinner(message: str, quiet: bool = False) -> Iterator[None]:
 
 def load_graph(spec: str) -> Graph:
     """``demo``, an ONNX path, or (with :mod:`dspark.graph.importers`) a ``module:factory`` torch or JAX spec."""
-    from dspark.cli.demo import demo_graph
     from dspark.graph.model import Graph
+    from dspark.testing import demo_graph  # the demo model lives in the public testing kit
 
     if spec == "demo":
         return demo_graph()

@@ -311,38 +311,3 @@ def op_case(name: str) -> OpCase:
             return case
     raise KeyError(f"no op case {name!r}; have {[c.name for c in _all_cases()]}")
 
-
-def model_op_cases(graph: Graph, inputs: dict[str, np.ndarray], *, unique: bool = True) -> list[OpCase]:
-    """One case per op of a real model, fed with the activations the model really produces there.
-
-    The torch reference runs the whole graph once; each op becomes a
-    standalone graph whose inputs are its real input activations and whose
-    weights are the model's. With ``unique`` only the first op of each
-    signature (same type, attributes, shapes) is kept: a transformer's layers
-    repeat the same ops.
-    """
-    from dspark.sdk.reference.executable import TorchExecutable
-
-    values = TorchExecutable(graph.subgraph(), "cpu").run_all(inputs)
-    values.update(inputs)
-    cases: list[OpCase] = []
-    seen: set[str] = set()
-    for op in graph.ops:
-        sub = graph.subgraph([op.name])
-        if unique:
-            sig = sub.signature()
-            if sig in seen:
-                continue
-            seen.add(sig)
-        if any(t not in values for t in sub.inputs) or any(t not in graph.tensors for t in sub.inputs + sub.outputs):
-            continue  # a tensor with no recorded value or spec: not checkable on its own
-        outputs = [t for t in op.outputs if t]
-        single = Graph(
-            name=f"{graph.name}:{op.name}", opset=graph.opset, ops=[op],
-            tensors={t: graph.tensors[t] for t in [*sub.inputs, *sub.params, *outputs] if t in graph.tensors},
-            inputs=list(sub.inputs), outputs=outputs,
-            initializers={p: graph.initializers[p] for p in sub.params},
-        )
-        cases.append(OpCase(name=f"{graph.name}:{op.name}", graph=single,
-                            inputs={t: np.asarray(values[t]) for t in sub.inputs}))
-    return cases
