@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.6).
+"""The dspark plugin contract (API version 1.7).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.6"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.7"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -14,7 +14,8 @@ declared surface (the 1.3 module names ``dspark.cost``, ``quant``, ``cache``,
 to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
 :mod:`dspark.graph`. API 1.6 added whole-decoder targets for the LLM engine:
 ``dspark_decoder_bid`` and ``dspark_compile_decoder``, with their types in
-:mod:`dspark.sdk.decoder`.
+:mod:`dspark.sdk.decoder`. API 1.7 added real models to :mod:`dspark.testing`
+(``real_model``, ``activations``, the demo block) for checking kernels on real activations.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.6"
+API_VERSION = "1.7"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
