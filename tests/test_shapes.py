@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -194,11 +193,12 @@ def test_put_replacing_a_value_evicts_the_old_one_and_a_failing_callback_is_cont
 def test_concurrent_callers_build_a_bucket_once() -> None:
     plans: ShapePlans[int] = ShapePlans()
     calls: list[int] = []
-    gate = threading.Event()
+    building, gate = threading.Event(), threading.Event()
 
     def build() -> int:
         calls.append(1)
-        gate.wait(5)
+        building.set()
+        gate.wait(30)
         return 42
 
     results: list[int] = []
@@ -206,12 +206,11 @@ def test_concurrent_callers_build_a_bucket_once() -> None:
                for _ in range(6)]
     for t in threads:
         t.start()
-    while not calls:
-        time.sleep(0.001)
+    assert building.wait(30)  # one caller builds; the others wait for it (or find its value)
     assert plans.get_or_build((("n", 1),), lambda: 7) == 7  # another bucket is not held up by the build
     gate.set()
     for t in threads:
-        t.join(5)
+        t.join(30)
     assert results == [42] * 6 and len(calls) == 1
 
 
@@ -235,13 +234,23 @@ def test_a_failed_build_reaches_its_waiters_and_is_not_cached() -> None:
 
     first = threading.Thread(target=call, args=(failing,))
     first.start()
-    started.wait(5)
+    assert started.wait(30)
+    # The build's done-event, instrumented: it says when the second caller is waiting on it.
+    pending = plans._pending[key]
+    waiting = threading.Event()
+
+    class Done(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    pending.done = Done()
     second = threading.Thread(target=call, args=(lambda: pytest.fail("a waiter built too"),))
     second.start()
-    time.sleep(0.05)  # let the second caller reach the wait
+    assert waiting.wait(30)  # the second caller waits for the first one's build
     gate.set()
-    first.join(5)
-    second.join(5)
+    first.join(30)
+    second.join(30)
     assert [str(e) for e in errors] == ["no plan", "no plan"]
     assert plans.keys() == [] and plans.get_or_build(key, lambda: 3) == 3
 
