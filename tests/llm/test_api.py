@@ -99,9 +99,11 @@ def test_async_many_concurrent_requests(make_llm: Callable[..., Any]) -> None:
 def test_async_abort_returns_pages(make_llm: Callable[..., Any]) -> None:
     llm = make_llm()
     step = llm.engine.step
+    steps = [0]
 
-    def slow_step() -> Any:  # so the stream cannot finish before the consumer gets to abort it
+    def slow_step() -> Any:  # 400 tokens take seconds: the stream cannot finish before the consumer aborts it
         time.sleep(0.005)
+        steps[0] += 1
         return step()
 
     llm.engine.step = slow_step
@@ -120,9 +122,8 @@ def test_async_abort_returns_pages(make_llm: Callable[..., Any]) -> None:
         async for _ in agen:
             break
         await agen.aclose()
-        for _ in range(100):
-            if eng.stats().kv_used_pages == 0:
-                break
+        deadline = time.monotonic() + 30
+        while eng.stats().kv_used_pages and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return reasons[-1], None
 
@@ -130,6 +131,8 @@ def test_async_abort_returns_pages(make_llm: Callable[..., Any]) -> None:
         reason, _ = asyncio.run(main())
         assert reason == "abort"
         assert eng.stats().kv_used_pages == 0 and eng.stats().num_running == 0
+        # Freed by the aborts, not by the two requests running out their 400 tokens each.
+        assert steps[0] < 400, steps[0]
     finally:
         eng.shutdown()
 
