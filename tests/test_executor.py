@@ -4,6 +4,7 @@ independent partitions on different devices overlap, failures name partition, pl
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -32,29 +33,35 @@ RTOL, ATOL = TOLERANCES["float32"]
 
 
 class OrtExe:
-    """Runs a subgraph with ONNX Runtime on the host; optionally sleeps, fails or returns float64."""
+    """Runs a subgraph with ONNX Runtime on the host; optionally sleeps, fails, waits at a barrier for
+    another call, or returns float64."""
 
-    def __init__(self, sub: Subgraph, sleep_s: float = 0.0, fail: bool = False) -> None:
+    def __init__(self, sub: Subgraph, sleep_s: float = 0.0, fail: bool = False,
+                 meet: threading.Barrier | None = None) -> None:
         import onnxruntime as ort
 
         self.sess = ort.InferenceSession(sub.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
-        self.outputs, self.sleep_s, self.fail = list(sub.outputs), sleep_s, fail
+        self.outputs, self.sleep_s, self.fail, self.meet = list(sub.outputs), sleep_s, fail, meet
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fail:
             raise RuntimeError("kernel exploded")
+        if self.meet is not None:
+            self.meet.wait()  # raises BrokenBarrierError at its timeout if the other call never comes
         time.sleep(self.sleep_s)
         values = self.sess.run(self.outputs, inputs)
         return {n: v.astype(np.float64) for n, v in zip(self.outputs, values, strict=True)}
 
 
 class FakeAccel:
-    """Three host-emulated accelerators (``npu:0``, ``gpu:0``, ``other:0``) whose calls take ``sleep_s``."""
+    """Three host-emulated accelerators (``npu:0``, ``gpu:0``, ``other:0``) whose calls take ``sleep_s``;
+    calls on the devices in ``meet_on`` wait at the barrier ``meet``."""
 
     DSPARK_API_VERSION = "1.0"
 
-    def __init__(self, sleep_s: float = 0.0, fail: bool = False) -> None:
-        self.sleep_s, self.fail = sleep_s, fail
+    def __init__(self, sleep_s: float = 0.0, fail: bool = False, meet: threading.Barrier | None = None,
+                 meet_on: tuple[str, ...] = ()) -> None:
+        self.sleep_s, self.fail, self.meet, self.meet_on = sleep_s, fail, meet, meet_on
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> list[Device]:
@@ -69,7 +76,7 @@ class FakeAccel:
 
     @hookimpl
     def dspark_compile(self, subgraph: Subgraph, device: Device) -> OrtExe:
-        return OrtExe(subgraph, self.sleep_s, self.fail)
+        return OrtExe(subgraph, self.sleep_s, self.fail, self.meet if device.id in self.meet_on else None)
 
 
 def branchy_graph(seq: int = 16, dim: int = 32) -> Graph:
@@ -99,9 +106,10 @@ def real() -> tuple[PluginHost, Inventory]:
     return host, inv
 
 
-def fake(sleep_s: float = 0.0, fail: bool = False) -> tuple[PluginHost, Inventory]:
+def fake(sleep_s: float = 0.0, fail: bool = False, meet: threading.Barrier | None = None,
+         meet_on: tuple[str, ...] = ()) -> tuple[PluginHost, Inventory]:
     host = PluginHost(PluginSettings(autoload=False))
-    host.register(FakeAccel(sleep_s, fail), "fake")
+    host.register(FakeAccel(sleep_s, fail, meet, meet_on), "fake")
     return host, probe(host)
 
 
@@ -155,20 +163,21 @@ def test_two_branches_on_three_runtimes(real: tuple[PluginHost, Inventory]) -> N
 
 
 def test_independent_partitions_on_different_devices_overlap() -> None:
-    host, inv = fake(sleep_s=0.15)
+    # Each branch's call waits at a barrier for the other branch's: the run gets through only with the
+    # two in flight at once (one after the other, the first would wait out the barrier and fail).
+    meet = threading.Barrier(2, timeout=30)
+    host, inv = fake(meet=meet, meet_on=("npu:0", "gpu:0"))
     graph = branchy_graph()
     where = {"a_mm": "fake@npu:0", "a_act": "fake@npu:0", "b_mm": "fake@gpu:0", "b_act": "fake@gpu:0",
              "join": "fake@other:0"}
     compiled = compile_plan(graph, forced_plan(graph, inv, where.__getitem__), host, inv)
     x = random_inputs(graph)
-    t0 = time.perf_counter()
     out = compiled.run(x)
-    wall = time.perf_counter() - t0
     check(graph, out, x)  # float64 from the runtime comes back as the declared float32
+    assert not meet.broken
     a, b = (compiled.last_spans[p.id] for p in compiled.plan.partitions if p.ops[0] in ("a_mm", "b_mm"))
     assert a.start < b.end and b.start < a.end, "independent partitions on two devices did not overlap"
     assert a.thread != b.thread
-    assert wall < 3 * 0.15 + 0.1  # two branches in parallel, then the join: not 3 sequential calls + slack
 
 
 def test_partitions_on_the_same_device_take_turns() -> None:
