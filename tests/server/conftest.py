@@ -288,7 +288,9 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
 def observed_server(tmp_path_factory: pytest.TempPathFactory, server_factory: Callable[..., ServerHandle],
                     otlp_receiver: OTLPReceiver) -> ServerHandle:
     """One more server, for tests/server/test_observability.py and test_tracing.py: a stats line every
-    0.3 s and traces exported to ``otlp_receiver`` (batches sent every 0.1 s)."""
-    return server_factory(tmp_path_factory.mktemp("observed"), env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    0.3 s and traces exported to ``otlp_receiver`` (batches sent every 0.1 s). It logs at DEBUG, so that
+    the stats lines of the idle server (DEBUG after the first) show when it ticked."""
+    return server_factory(tmp_path_factory.mktemp("observed"),
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "DSPARK_LOG_LEVEL": "DEBUG"},
                           observability={"otlp_traces_endpoint": otlp_receiver.url, "service_name": "dspark-test",
                                          "stats_log_interval_s": 0.3})
