@@ -141,14 +141,15 @@ def test_calibrated_predictions_track_measured_latency(name: str, devices: dict[
         predicted = _bid(name, sg, device).latency_s
         exe = plugin.dspark_compile(sg, device)
         feeds = calibration.make_inputs(sg, seed=1)
-        ratios = []
-        for _ in range(5):  # a burst of load on the shared machine can skew one measurement
+        ratios: list[float] = []
+        deadline = time.monotonic() + 20  # a burst of load on the shared machine can skew a measurement
+        while not ratios or not 1 / 3 <= ratios[-1] <= 3:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name}: predicted {predicted * 1e6:.0f} us is off by {ratios[-5:]} from measurements "
+                            f"({len(ratios)} tries)")
+            if ratios:
+                time.sleep(0.2)
             ratios.append(predicted / _measure(exe, feeds))
-            if 1 / 3 <= ratios[-1] <= 3:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"{name}: predicted {predicted * 1e6:.0f} us is off by {ratios} from measurements")
 
 
 def test_calibrate_zero_gives_the_roofline(devices: dict[str, Device], fresh_calibrations: Path,
