@@ -307,3 +307,23 @@ def test_dead_ops_are_dropped_and_constant_partitions_never_reach_a_plugin() -> 
     assert out["s"].dtype == np.float32 and out["s"].shape == () and float(out["s"]) == 2.5
     out["k"][0] = 9  # outputs are the caller's: a second run still answers the constant
     assert compiled.run({"x": x})["k"].tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("target", RUNTIMES)
+def test_scalar_feeds_reach_each_runtime_as_0d(target: str) -> None:
+    # A user feeds a bound as a numpy or Python scalar; every runtime must see a 0-d tensor (a (1,)
+    # array made OpenVINO refuse Clip and the torch reference fail on the window ops).
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    lo = helper.make_tensor_value_info("lo", TensorProto.FLOAT, [])
+    hi = helper.make_tensor_value_info("hi", TensorProto.FLOAT, [])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
+    m = helper.make_model(helper.make_graph([helper.make_node("Clip", ["x", "lo", "hi"], ["y"])], "clip",
+                                            [x, lo, hi], [y]), opset_imports=[helper.make_opsetid("", 13)])
+    graph = Graph.from_onnx(m)
+    host = PluginHost().load()
+    inv = probe(host)
+    compiled = compile_plan(graph, forced_plan(graph, inv, lambda _op: target), host, inv)
+    xs = np.array([-2.0, 0.5, 3.0], np.float32)
+    for lo_v, hi_v in ((np.float32(-1.0), np.float32(1.0)), (-1.0, 1), (np.array(-1.0, np.float32), 1.0)):
+        out = compiled.run({"x": xs, "lo": lo_v, "hi": hi_v})
+        np.testing.assert_array_equal(out["y"], [-1.0, 0.5, 1.0])

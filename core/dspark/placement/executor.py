@@ -139,10 +139,11 @@ def _as_declared(graph: Graph, name: str, value: object) -> np.ndarray:
 def _conform(value: object, want: np.dtype | None) -> np.ndarray:
     if type(value) is np.ndarray and (want is None or value.dtype == want) and value.flags.c_contiguous:
         return value  # the common case, checked first: no call into numpy's conversion machinery
-    arr = np.asarray(value)
+    arr = np.asarray(value)  # a numpy or Python scalar becomes a 0-d array
     if want is not None and arr.dtype != want:
         arr = arr.astype(want)
-    return np.ascontiguousarray(arr)
+    # order="C", not np.ascontiguousarray: that one turns a 0-d array into shape (1,).
+    return np.asarray(arr, order="C")
 
 
 @dataclass

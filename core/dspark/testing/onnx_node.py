@@ -108,7 +108,7 @@ def _all_cases() -> tuple[NodeCase, ...]:
     # sharing a cache directory loads them from the one file the first one wrote.
     from dspark.host.cache import cache_dir
 
-    path = cache_dir() / "onnx_node" / f"cases-onnx{onnx.__version__}-numpy{np.__version__}-seed{_SEED}.pickle"
+    path = cache_dir() / "onnx_node" / f"cases2-onnx{onnx.__version__}-numpy{np.__version__}-seed{_SEED}.pickle"
     try:
         with path.open("rb") as f:
             cached = pickle.load(f)  # noqa: S301  (written by _generate below, in the user's own cache)
@@ -151,11 +151,10 @@ def _generate() -> tuple[NodeCase, ...]:
 
 
 def _array(value: object) -> object:
-    # Generators store some tensors as TensorProto (bfloat16, float8, 4-bit) or numpy scalars.
+    # Generators store some tensors as TensorProto (bfloat16, float8, 4-bit): arrays. Numpy scalars
+    # (a Clip bound, a window's size) stay scalars: a user feeds them so, and the plan must take them.
     if isinstance(value, onnx.TensorProto):
         return onnx.numpy_helper.to_array(value)
-    if isinstance(value, np.generic):
-        return np.asarray(value)
     return value
 
 
@@ -201,7 +200,7 @@ def _import(case: NodeCase) -> tuple[Graph | None, str]:
         return None, "the model has no ops"
     values = list(zip(graph.inputs, case.inputs, strict=False)) + list(zip(graph.outputs, case.outputs, strict=False))
     for name, value in values:
-        if not isinstance(value, np.ndarray):
+        if not isinstance(value, (np.ndarray, np.generic)):
             return None, f"tensor {name!r} is a {type(value).__name__} (sequence/optional), not a tensor"
         if name not in graph.tensors:
             return None, f"tensor {name!r} has a type dspark's graph model cannot represent ({value.dtype})"
@@ -294,7 +293,9 @@ class NodeSuiteRunner:
         bid, _ = self._bid(case, graph)
         assert bid is not None
         key = f"{self.plugin}@{self.device.id}"
-        feeds = {n: np.array(v, copy=True) for n, v in zip(graph.inputs, case.inputs, strict=True)}
+        # As the generators give them: arrays copied (a plugin may write into its inputs), numpy scalars as they are.
+        feeds = {n: v.copy() if isinstance(v, np.ndarray) else v
+                 for n, v in zip(graph.inputs, case.inputs, strict=True)}
         timeout = self.kit.host.settings.timeout_for("dspark_compile")
         try:
             plan = forced_plan(graph, self.inventory, lambda _op: key)
