@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,9 +112,8 @@ def test_second_probe_hits_the_cache_and_refresh_measures_again(
         return real(ov_name, capabilities)
 
     monkeypatch.setattr(bench, "_measure", counting)
-    t0 = time.perf_counter()
     again = next(d for d in plugin.dspark_probe_devices(refresh=False) if isinstance(d, Device))
-    assert time.perf_counter() - t0 < 0.5 and calls == []
+    assert calls == []  # nothing measured again
     assert again.peak_flops == device.peak_flops
     assert again.properties["call_overhead_s"] == device.properties["call_overhead_s"]
     assert any(own_cache.joinpath(bench.CACHE_NAMESPACE).iterdir())
