@@ -156,17 +156,22 @@ def test_autoload_kill_switch_from_the_environment() -> None:
     assert names == {"torch", "ngram", "drafters"}
 
 
-def test_cold_start_is_fast() -> None:
-    dspark("devices", "--json")  # warm the on-disk microbenchmark cache
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        res = dspark("devices", "--json")
-        times.append(time.perf_counter() - t0)
-        assert res.returncode == 0
-    # The budget is 1.5 s on an idle machine; CI shares 2 cores with other
-    # work, so the test allows slack and docs/benchmarks.md records the figure.
-    assert sorted(times)[1] < 4.0, times
+def test_a_warm_start_measures_nothing_again(tmp_path: Path) -> None:
+    """What makes `dspark devices` start fast (0.5-0.8 s cached against 5.4 s cold, budget 1.5 s: see
+    docs/benchmarks.md and benchmarks/cold_start.py, which time it): once the microbenchmarks are
+    cached, a start only reads them. A wall-time bound here would be the shared machine's to break."""
+    env = {"DSPARK_CACHE_DIR": str(tmp_path)}
+
+    def entries() -> dict[Path, tuple[int, bytes]]:
+        return {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file()}
+
+    assert dspark("devices", "--json", env=env).returncode == 0  # the cold start measures and caches
+    cold = entries()
+    assert "hostinfo" in {f.parent.name for f in cold} and len(cold) > 1, cold.keys()  # host and runtimes
+    for _ in range(2):
+        res = dspark("devices", "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        assert entries() == cold  # nothing measured (or written) again
 
 
 def test_devices_decoders_lists_bids_timings_and_the_winner() -> None:
