@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pynvml
@@ -282,12 +281,10 @@ def test_real_probe_reports_measured_gpu() -> None:
     assert d.memory_bandwidth_bytes_per_s and d.memory_bandwidth_bytes_per_s > 1e10
     assert d.host_link_bandwidth_bytes_per_s is None or d.host_link_bandwidth_bytes_per_s >= 0.25e9
     assert d.properties["sm_count"] == torch.cuda.get_device_properties(int(d.id.split(":")[1])).multi_processor_count
-    # Second probe is served from the cache, and fast.
-    t0 = time.perf_counter()
+    # Second probe is served from the cache.
     again = next(drv for drv in probe(host).drivers() if drv.plugin == "cuda")
     assert again.properties["benchmarks"] == "cached"
     assert again.peak_flops == d.peak_flops
-    assert time.perf_counter() - t0 < 30
 
 
 def _conv_graph() -> Graph:
