@@ -49,19 +49,16 @@ def _greedy(n: int = 24) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
 
 
-class _Slowed:
-    """OpenVINO's decoder under another name, every step slowed on purpose: it sleeps ``extra_s`` plus
-    ``factor`` times the step's own time, so it is slower than OpenVINO's step by a margin that grows
-    with the load, and slower than any real runtime's step here by far more than a busy machine's noise."""
+class _Renamed:
+    """OpenVINO's decoder under another name (``RUNTIME``); subclasses change what a step does (``_step``)."""
 
     DSPARK_API_VERSION = "1.6"
-
-    def __init__(self, extra_s: float, factor: float) -> None:
-        self.extra_s, self.factor, self.steps = extra_s, factor, 0
+    RUNTIME = "renamed/CPU"
+    steps = 0
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> Any:
-        return [d.model_copy(update={"runtime": "slowed/CPU"}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
+        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
 
     @hookimpl
     def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
@@ -79,13 +76,30 @@ class _Slowed:
                 return inner.allocate(n)
 
             def step(self, kv: Any, batch: Any) -> Any:
-                t0 = time.perf_counter()
-                out = inner.step(kv, batch)
-                time.sleep(plugin.extra_s + plugin.factor * (time.perf_counter() - t0))
-                plugin.steps += 1
-                return out
+                return plugin._step(inner, kv, batch)
 
         return Wrapped()
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Slowed(_Renamed):
+    """Every step slowed on purpose: it sleeps ``extra_s`` plus ``factor`` times the step's own time, so
+    it is slower than OpenVINO's step by a margin that grows with the load, and slower than any real
+    runtime's step here by far more than a busy machine's noise."""
+
+    RUNTIME = "slowed/CPU"
+
+    def __init__(self, extra_s: float, factor: float) -> None:
+        self.extra_s, self.factor, self.steps = extra_s, factor, 0
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner.step(kv, batch)
+        time.sleep(self.extra_s + self.factor * (time.perf_counter() - t0))
+        self.steps += 1
+        return out
 
 
 def test_auto_runs_the_target_measured_fastest() -> None:
@@ -163,43 +177,22 @@ def test_logprobs_and_sampling_on_the_target() -> None:
 
 
 # -- a plugin whose decoder fails while serving --------------------------------------------------
-class _Faulty:
-    """OpenVINO's decoder under another name, failing (raising or hanging) at its ``fail_at``-th step."""
+class _Faulty(_Renamed):
+    """Failing (raising or hanging) at its ``fail_at``-th step."""
 
-    DSPARK_API_VERSION = "1.6"
+    RUNTIME = "faulty/CPU"
 
     def __init__(self, fail_at: int, hang_s: float = 0.0) -> None:
         self.fail_at, self.hang_s, self.steps = fail_at, hang_s, 0
 
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
-        return [d.model_copy(update={"runtime": "faulty/CPU"}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
-
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-        return ov_decoder.decoder_bid(decoder, device)
-
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        inner = ov_decoder.compile_decoder(decoder, device)
-        plugin = self
-
-        class Wrapped:
-            block_size = inner.block_size
-
-            def allocate(self, n: int) -> Any:
-                return inner.allocate(n)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                plugin.steps += 1
-                if plugin.steps == plugin.fail_at:
-                    if plugin.hang_s:
-                        time.sleep(plugin.hang_s)
-                    else:
-                        raise RuntimeError("device lost")
-                return inner.step(kv, batch)
-
-        return Wrapped()
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            if self.hang_s:
+                time.sleep(self.hang_s)
+            else:
+                raise RuntimeError("device lost")
+        return inner.step(kv, batch)
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["raises", "hangs"])
