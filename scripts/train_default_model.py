@@ -20,10 +20,11 @@ Outputs: ``core/dspark/assets/models/stdlib-llama`` and ``.../stdlib-llama-draft
 (Hugging Face format, bf16 safetensors). Checkpoints (fp32 + optimizer) are
 kept in ``--ckpt-dir`` so an interrupted run resumes with ``--resume``.
 
-Command used for the committed weights (see the model cards)::
-
-    python scripts/train_default_model.py --main-steps 2000 --draft-steps 2000 \\
-        --main-max-minutes 65 --draft-max-minutes 9
+The committed main model was trained from scratch and then continued
+(``--main-init``, a fresh optimizer, 512-token windows throughout); the
+commands are in the model cards. ``--draft-init N --distil-weight W`` starts
+the draft from the main model's first N layers and distils it from the main
+model's distribution.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import math
 import os
 import platform
 import random
+import shlex
 import shutil
 import sys
 import sysconfig
@@ -247,16 +249,51 @@ def phase_shape(step: int, steps: int, args) -> tuple[int, int]:
     return args.bs, args.seq
 
 
+def distil_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temp: float) -> torch.Tensor:
+    """KL(teacher || student) per position at temperature ``temp`` (scaled by temp^2 as in
+    Hinton et al.): the draft learns the main model's whole next-token distribution, which is
+    what greedy agreement and speculative acceptance reward, rather than the data's one token."""
+    V = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.float().reshape(-1, V) / temp, -1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, V) / temp, -1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temp * temp
+
+
+def prefix_model(src, layers: int):
+    """A Llama made of ``src``'s embedding, first ``layers`` decoder layers and final norm (its
+    early exit after layer ``layers`` as a model of its own): the distilled draft starts where
+    the main model's exit head already agrees with it."""
+    from transformers import LlamaForCausalLM
+
+    cfg = src.config.__class__.from_dict(src.config.to_dict())
+    cfg.num_hidden_layers = layers
+    for k in [k for k in vars(cfg) if k.startswith("dspark_")]:
+        delattr(cfg, k)
+    cfg._attn_implementation = "sdpa"
+    m = LlamaForCausalLM(cfg)
+    sd = {k: v for k, v in src.state_dict().items()
+          if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return m.float()
+
+
 def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: list[int],
                 exit_weight: float, steps: int, max_minutes: float, vocab_size: int,
-                held: torch.Tensor | None = None):
+                held: torch.Tensor | None = None, init=None, teacher=None):
+    """Train ``name`` from scratch (``arch``), or from ``init`` (a model: continued training
+    with a fresh optimizer). With ``teacher`` the loss is ``--distil-weight`` x the KL to the
+    teacher's distribution plus the rest x the data's cross-entropy."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    cfg = make_config(arch, vocab_size, args.max_pos)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
+    if init is not None:
+        model = init.float().train()
+    else:
+        cfg = make_config(arch, vocab_size, args.max_pos)
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd},
@@ -294,7 +331,8 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
     t0 = time.time() - elapsed_before
     step = start
     stopped_early = False
-    run = {"loss": 0.0, "exit": [0.0] * len(exit_layers), "n": 0}
+    aux_names = [f"exit{k}" for k in exit_layers] + (["kl"] if teacher is not None else [])
+    run = {"loss": 0.0, "exit": [0.0] * len(aux_names), "n": 0}
     while step < steps:
         # Progress through the run: by steps, or by wall time when a time budget
         # is given and binds first (this machine is shared, so its speed varies).
@@ -307,13 +345,21 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
             log(f"[{name}] time budget of {max_minutes} min used up at step {step}; stopping")
             stopped_early = True
             break
-        lr = lr_at(progress, step, args.lr, args.warmup)
+        lr = lr_at(progress, step, args.lr, args.warmup, args.lr_floor)
         for gparam in opt.param_groups:
             gparam["lr"] = lr
         x = batch_at(step)
         with autocast(args):
-            main, exits = losses(model, x, exit_layers, args.exit_stride)
-            loss = main + exit_weight * sum(exits)
+            if teacher is None:
+                main, exits = losses(model, x, exit_layers, args.exit_stride)
+                loss = main + exit_weight * sum(exits)
+            else:
+                with torch.no_grad():
+                    t_logits = teacher(input_ids=x[:, :-1], use_cache=False).logits
+                s_logits = model(input_ids=x[:, :-1], use_cache=False).logits
+                main = F.cross_entropy(s_logits.float().reshape(-1, s_logits.shape[-1]), x[:, 1:].reshape(-1))
+                exits = [distil_loss(s_logits, t_logits, args.distil_temp)]
+                loss = (1 - args.distil_weight) * main + args.distil_weight * exits[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -331,11 +377,11 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
                 model.train()
             history.append(rec)
             log(f"[{name}] step {step}/{steps} loss {rec['loss']:.3f} "
-                + " ".join(f"exit{k} {v:.3f}" for k, v in zip(exit_layers, rec["exit_loss"]))
+                + " ".join(f"{k} {v:.3f}" for k, v in zip(aux_names, rec["exit_loss"]))
                 + f" lr {lr:.2e} {el/60:.1f} min, {step*args.bs*args.seq/el:.0f} tok/s"
                 + (f" held-out ppl {rec['heldout']['full']['perplexity']:.1f}"
                    f" top1 {rec['heldout']['full']['top1_accuracy']:.3f}" if "heldout" in rec else ""))
-            run = {"loss": 0.0, "exit": [0.0] * len(exit_layers), "n": 0}
+            run = {"loss": 0.0, "exit": [0.0] * len(aux_names), "n": 0}
         if step % args.ckpt_every == 0 and step < steps:
             save(step, time.time() - t0)
     elapsed = time.time() - t0
@@ -456,10 +502,10 @@ def strip_flags(argv: list[str]) -> list[str]:
             continue
         if a == "--resume":
             continue
-        if a in ("--stages", "--ckpt-dir", "--out-dir"):
+        if a in ("--stages", "--ckpt-dir", "--out-dir", "--continued-from"):
             skip = True
             continue
-        if a.startswith(("--stages=", "--ckpt-dir=", "--out-dir=")):
+        if a.startswith(("--stages=", "--ckpt-dir=", "--out-dir=", "--continued-from=")):
             continue
         out.append(a)
     return out
@@ -475,6 +521,17 @@ def repeat_run(text: str) -> int:
         run = run + 1 if line == prev else 1
         prev, best = line, max(best, run)
     return best
+
+
+def repeated_phrase(text: str, times: int = 3, longest: int = 12) -> str | None:
+    """The first run of words (up to ``longest``) said ``times`` times back to back ("a list of a list
+    of a list of"), or None: the loop a small model falls into."""
+    words = text.split()
+    for n in range(1, longest + 1):
+        for i in range(len(words) - times * n + 1):
+            if all(words[i + k * n:i + (k + 1) * n] == words[i:i + n] for k in range(1, times)):
+                return " ".join(words[i:i + n])
+    return None
 
 
 def dir_size(path: Path) -> int:
@@ -512,6 +569,26 @@ def write_card(path: Path, kind: str, info: dict):
                  "`stdlib-llama`, trained on the same data, for use as the separate draft "
                  "model in speculative decoding.")
         objective = "Plain next-token cross-entropy."
+        if a.get("distil_weight"):
+            objective = (f"Distilled from `stdlib-llama`: {a['distil_weight']} x the KL divergence from the main "
+                         f"model's next-token distribution (temperature {a.get('distil_temp', 1.0)}) plus "
+                         f"{1 - a['distil_weight']:.2g} x the data's cross-entropy, on every position.")
+        if a.get("draft_init"):
+            objective += (f" Initialised from the main model's embedding, first {a['draft_init']} decoder layers "
+                          "and final norm (its early exit as a model of its own), so it starts where that exit "
+                          "already agrees with the main model.")
+    long_bs = max(1, a['bs'] * a['seq'] // a.get('long_seq', a['seq']))
+    if a.get("long_frac", 0) >= 1.0:
+        batches_line = f"Batches: {long_bs} x {a.get('long_seq', a['seq'])} tokens on every step."
+    else:
+        batches_line = (f"Batches: {a['bs']} x {a['seq']} tokens for the first {100 * (1 - a.get('long_frac', 0)):.0f}% "
+                        f"of the steps, then\n  {long_bs} x {a.get('long_seq', a['seq'])} (same tokens per step) so "
+                        "the last phase trains the longer context.")
+    continued_line = ""
+    if kind == "main" and a.get("main_init"):
+        continued_line = (f"- Continued training: the weights start from `{a['main_init']}` as committed before "
+                          f"this run ({info.get('continued_from', 'see git history')}), with a fresh optimizer; the "
+                          "steps, tokens and curve below are this run's.")
     exit_line = (f"- Early exit scored on every {a.get('exit_stride', 1)}th position "
                  f"(weight {a['exit_weight']})." if kind == "main" else "")
     curve_rows = "\n".join(
@@ -565,10 +642,10 @@ max positions {cfg['max_position_embeddings']} (trained on {a['seq']}-token wind
 
 - Objective: {objective}
 - AdamW (betas 0.9/0.95, weight decay {a['wd']} on matrices), peak lr {a['lr']},
-  {a['warmup']} warm-up steps then cosine decay to 10%, gradient clipping 1.0; fp32 master
+  {a['warmup']} warm-up steps then cosine decay to {100 * a.get('lr_floor', 0.1):.0f}%, gradient clipping 1.0; fp32 master
   weights with {'bf16 autocast' if a.get('amp') == 'bf16' else 'fp32 compute'} on CPU ({info['threads']} threads).
-- Batches: {a['bs']} x {a['seq']} tokens for the first {100 * (1 - a.get('long_frac', 0)):.0f}% of the steps, then
-  {max(1, a['bs'] * a['seq'] // a.get('long_seq', a['seq']))} x {a.get('long_seq', a['seq'])} (same tokens per step) so the last phase trains the longer context.
+- {batches_line}
+{continued_line}
 {exit_line}
 - Steps: {s['steps']} (planned {s['planned_steps']}{', ended by the wall-time budget' if s['stopped_by_time_budget'] else ''});
   tokens seen: {s['tokens_seen']:,} ({s['epochs']:.2f} epochs of the training stream);
@@ -650,7 +727,17 @@ def main():
                     default="bf16" if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "none")
     ap.add_argument("--exit-stride", type=int, default=4, help="score the early exit on every Nth position")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr-floor", type=float, default=0.1, help="the cosine ends at this fraction of --lr")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--main-init", default="",
+                    help="continue the main model from this saved model directory (fresh optimizer)")
+    ap.add_argument("--continued-from", default="",
+                    help="what --main-init's weights were (their training, the commit), for the model card")
+    ap.add_argument("--draft-init", type=int, default=0,
+                    help="start the draft from the (new) main model's embedding and first N layers (0 = from scratch)")
+    ap.add_argument("--distil-weight", type=float, default=0.0,
+                    help="weight of the KL to the main model's distribution in the draft's loss (0 = plain CE)")
+    ap.add_argument("--distil-temp", type=float, default=1.0)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--exit-layers", default="2")
     ap.add_argument("--exit-weight", type=float, default=0.3)
@@ -707,18 +794,28 @@ def main():
     extra_draft = {"dspark_role": "draft", "dspark_draft_for": "stdlib-llama", "dspark_train_seq_len": trained_len}
 
     if "main" in stages:
+        init = load_saved(Path(args.main_init))[1] if args.main_init else None
         m, stats = train_model("main", MAIN_ARCH, train_stream, args, exit_layers, args.exit_weight,
-                               args.main_steps, args.main_max_minutes, len(tok), held_stream)
+                               args.main_steps, args.main_max_minutes, len(tok), held_stream, init=init)
         save_hf(m, MAIN_DIR, tok, extra_main)
         del m
     if "draft" in stages:
+        teacher = init = None
+        if args.distil_weight or args.draft_init:
+            teacher = load_saved(MAIN_DIR)[1]
+            for p_ in teacher.parameters():
+                p_.requires_grad_(False)
+            init = prefix_model(teacher, args.draft_init) if args.draft_init else None
+            teacher = teacher if args.distil_weight else None
         m, stats = train_model("draft", DRAFT_ARCH, train_stream, args, [], 0.0,
-                               args.draft_steps, args.draft_max_minutes, len(tok), held_stream)
+                               args.draft_steps, args.draft_max_minutes, len(tok), held_stream,
+                               init=init, teacher=teacher)
+        del teacher
         save_hf(m, DRAFT_DIR, tok, extra_draft)
         del m
 
     if "eval" in stages:
-        cmd = " ".join(["python scripts/train_default_model.py"] + strip_flags(sys.argv[1:]))
+        cmd = "python scripts/train_default_model.py " + shlex.join(strip_flags(sys.argv[1:]))
         main_preds: dict[str, torch.Tensor] = {}
         machine = (f"{os.cpu_count()} cores of an {cpu_name()} (torch {torch.__version__}, "
                    f"{args.threads} threads; the machine was shared with other jobs, so times are "
@@ -749,7 +846,8 @@ def main():
                                      pad_token_id=PAD_ID)
                 text = tok2.decode(out[0], skip_special_tokens=True)
                 samples.append((prompt, text))
-                log(f"[{kind}] {prompt!r} -> {text!r} (longest run of one repeated line: {repeat_run(text)})")
+                log(f"[{kind}] {prompt!r} -> {text!r} (longest run of one repeated line: {repeat_run(text)}; "
+                    f"phrase said three times running: {repeated_phrase(text)!r})")
             if kind == "main":
                 ev["slice"] = slice_check(model, path)
                 log(f"[{kind}] engine-check slice: {ev['slice']}")
@@ -759,6 +857,7 @@ def main():
                 cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             info = {"data": data, "stats": stats, "eval": ev, "args": vars(args), "exit_layers": layers,
                     "vocab_size": len(tok2), "threads": args.threads, "machine": machine, "command": cmd,
+                    "continued_from": args.continued_from or "see git history",
                     "samples": samples, "sample_tokens": args.sample_tokens,
                     "agreement_md": agreement_md if agreement else ""}
             write_card(path, kind, info)

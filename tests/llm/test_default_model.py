@@ -34,6 +34,7 @@ def _load_script_helper(name: str) -> Any:
 
 
 _repeat_run = _load_script_helper("repeat_run")  # longest run of one identical non-blank line
+_repeated_phrase = _load_script_helper("repeated_phrase")  # a run of words said three times back to back
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,13 @@ def test_readme_example_is_python_not_a_loop(llm: LLM) -> None:
     assert _repeat_run(README_PROMPT + out) <= 2, out
     assert any(re.match(r"\s{4,}\S", ln) for ln in lines), out  # a body, not a flat stream of tokens
     assert len(set(lines)) >= 0.6 * len(lines), out
+    assert _repeated_phrase(out) is None, out  # not "a list of a list of a list of"
+
+
+def test_repeated_phrase_finds_a_loop_of_words() -> None:
+    assert _repeated_phrase("Return a list of a list of a list of the list.") == "a list of"
+    assert _repeated_phrase("x = 1\ny = 2\nz = 3") is None
+    assert _repeated_phrase("return return return") == "return"
 
 
 def test_model_card_quotes_this_model() -> None:
