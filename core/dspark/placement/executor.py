@@ -384,9 +384,8 @@ class ConstantValues:
     def of(cls, graph: Graph, ops: Iterable[str]) -> ConstantValues | None:
         """The values of ``ops`` when every one is a ``Constant`` with a value the core can read; else None."""
         values: dict[str, np.ndarray] = {}
-        by_name = {op.name: op for op in graph.ops}
         for name in ops:
-            op = by_name[name]
+            op = graph.op(name)
             if op.op_type != "Constant" or op.domain not in ("", "ai.onnx") or op.inputs or len(op.outputs) != 1:
                 return None
             key = next((k for k in _CONSTANT_ATTRS if k in op.attrs), None)

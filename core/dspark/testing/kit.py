@@ -99,13 +99,17 @@ class ConformanceKit:
         problem = last.reason if last is not None and not failed_now else record.reason
         timed_out = time.perf_counter() - start >= self.host.settings.timeout_for(hook)
         if not timed_out:
-            # Each case is judged alone: one failure must not exclude the plugin from the next.
-            if hasattr(self.host, "forgive"):
-                self.host.forgive(self.name)
-            elif self._plugin is not None and failed_now:
-                self.host.pm.register(self._plugin, name=self.name)
-                record.status, record.reason = status, ""
+            self.forgive(failed_now, status)
         return None, problem
+
+    def forgive(self, failed_now: bool = True, status: PluginStatus | None = None) -> None:
+        """Take the plugin back after a failure: each case is judged alone, so one failure must not
+        exclude the plugin from the next (not after a timeout: its thread may still be running)."""
+        if hasattr(self.host, "forgive"):
+            self.host.forgive(self.name)
+        elif self._plugin is not None and failed_now and (record := self.record) is not None:
+            self.host.pm.register(self._plugin, name=self.name)
+            record.status, record.reason = status or PluginStatus.ACTIVE, ""
 
     def _label(self, device: Device) -> str:
         same = [d for d in self.devices if d.id == device.id]

@@ -301,22 +301,17 @@ class NodeSuiteRunner:
             plan = forced_plan(graph, self.inventory, lambda _op: key)
             compiled = compile_plan(graph, plan, self.kit.host, self.inventory)
         except Exception as exc:  # noqa: BLE001  (anything on the user's path is the finding)
-            self._forgive()
+            self.kit.forgive()
             return self._result(case, "failed", f"compile raised {type(exc).__name__}: {exc}"[:500])
         try:
             got = _call_with_timeout(compiled.run, [feeds], timeout, f"{self.plugin}.run")
         except Exception as exc:  # noqa: BLE001
-            self._forgive()
+            self.kit.forgive()
             return self._result(case, "failed", f"run raised {type(exc).__name__}: {exc}"[:500])
         expected = {n: np.asarray(v) for n, v in zip(graph.outputs, case.outputs, strict=True)}
         ok, detail = compare(got, expected, list(graph.outputs), bid.precision,
                              tolerance=_tolerance(bid.precision, case, expected.values()))
         return self._result(case, "pass" if ok else "wrong", detail)
-
-    def _forgive(self) -> None:
-        # Each case is judged alone: a failure charged to the plugin must not bar it from the next case.
-        if hasattr(self.kit.host, "forgive"):
-            self.kit.host.forgive(self.plugin)
 
 
 def run_node_suite(plugin_name: str, *, op_types: Iterable[str] | None = None, host: PluginHost | None = None,
