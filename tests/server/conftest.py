@@ -36,6 +36,20 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, *, poll: float = 0.05,
+             context: Callable[[], Any] | None = None) -> Any:
+    """Wait until ``cond()`` is truthy and return it; fail naming ``what`` (and ``context()``) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            extra = f"; {context()}" if context is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
+        time.sleep(poll)
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in over.items():

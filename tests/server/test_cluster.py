@@ -32,7 +32,7 @@ from dspark.server.cluster.local import LocalCluster  # noqa: E402
 from dspark.server.loadgen.bench import LoadConfig, default_workload, disconnect_plan, run  # noqa: E402
 from dspark.server.loadgen.sweep import free_port  # noqa: E402
 
-from conftest import DEFAULT_CONFIG, MODEL_NAME, Metrics, ServerHandle, _merge, start_server  # noqa: E402
+from conftest import DEFAULT_CONFIG, MODEL_NAME, Metrics, ServerHandle, _merge, start_server, wait_for  # noqa: E402
 
 KEY = "cluster-test-key"
 PROMPT = "def quick_sort(arr):"
@@ -67,17 +67,6 @@ def served(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def replicas(h: ServerHandle) -> list[dict[str, Any]]:
     return list(httpx.get(f"{h.base_url}/cluster/replicas", timeout=10).json()["replicas"])
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def scrape(entry: dict[str, Any]) -> Metrics:

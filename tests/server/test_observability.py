@@ -15,6 +15,7 @@ import structlog
 from fastapi import Request  # at module level: the handlers' string annotations resolve here
 
 from dspark.server.observability import RequestObservability, StatsLogger, describe_runtime, start_stats_logger
+from conftest import wait_for
 
 PROMPT = "def quick_sort(arr):"
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -131,10 +132,7 @@ def test_stats_line(observed_server: Any) -> None:
         return [e for e in srv.log() if e.get("logger") == "dspark.stats"]
 
     def until(cond: Any, what: str, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, f"{what}: not within {timeout} s; last lines {stats()[-6:]}"
-            time.sleep(0.05)
+        wait_for(cond, timeout, what, context=lambda: f"last lines {stats()[-6:]}")
 
     def idle_again(start: int) -> bool:
         """A line after ``start`` of a tick that found the server idle after an idle one (DEBUG): every
@@ -266,10 +264,7 @@ def test_stats_logger_rates_and_stop(logs: list[dict[str, Any]]) -> None:
         return sum(e[key] * e["interval_s"] for e in stats_lines())
 
     def until(cond: Any, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not cond():
-            assert time.monotonic() < deadline, f"{what}: not within 30 s; {stats_lines()}"
-            time.sleep(0.01)
+        wait_for(cond, 30, what, poll=0.01, context=stats_lines)
 
     # Tokens come once the logger has read its starting counts (its first line is written after that).
     until(stats_lines, "a first stats line")

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import wait_for
 
 COMPLETION = {"model": "stdlib-llama", "prompt": "def add(a, b):", "temperature": 0, "ignore_eos": True}
 
@@ -42,10 +43,7 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(server_factory:
         return int(m.value("dspark_requests_running") + m.value("dspark_requests_waiting"))
 
     def until(cond: Any, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-            time.sleep(0.02)
+        wait_for(cond, timeout, what, poll=0.02)
 
     t_long = threading.Thread(target=long_stream)
     t_long.start()
