@@ -158,11 +158,19 @@ def test_stats_line(observed_server: Any) -> None:
     # server idle twice comes after the line that reported the last of them.
     answered = len(stats())
     until(lambda: idle_again(answered), "an idle line after an idle one, after the answer")
+
+    def generated(lines: list[dict[str, Any]]) -> float:
+        return sum(e["generation_throughput_tps"] * e["interval_s"] for e in lines)
+
+    # The log is read as the server writes it: wait until its lines report the request's tokens and
+    # end on an idle tick after an idle one (DEBUG).
+    until(lambda: (t := stats()[seen:]) and generated(t) >= 39 and t[-1]["level"] == "debug",
+          "stats lines reporting the request's 40 tokens, then idle ones")
     tail = stats()[seen:]
     active = [i for i, e in enumerate(tail) if _active(e)]
     assert active and any(tail[i]["generation_throughput_tps"] > 0 for i in active), tail
     assert all(tail[i]["level"] == "info" for i in active), tail
-    assert sum(e["generation_throughput_tps"] * e["interval_s"] for e in tail) == pytest.approx(40, abs=1)
+    assert generated(tail) == pytest.approx(40, abs=1)
     assert sum(e["prompt_throughput_tps"] * e["interval_s"] for e in tail) == pytest.approx(
         r.usage.prompt_tokens, abs=1)
     # Idle again: the first idle line is INFO, the ones after it DEBUG (not in an INFO log).
