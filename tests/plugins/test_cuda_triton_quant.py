@@ -8,8 +8,6 @@ checks run compiled on the GPU, plus the CUDA-only end-to-end test.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import numpy as np
 import pytest
@@ -337,24 +335,6 @@ def test_kernels_refuse_the_wrong_device() -> None:
 
 # -- on a GPU -------------------------------------------------------------------------------------
 
-# The LLM projections (K, N) the engine quantizes: the embedded model's, then a 90M model's.
-PROJECTIONS = [(384, 640), (384, 384), (384, 1792), (896, 384), (384, 8192),
-               (768, 1280), (768, 768), (768, 4096), (2048, 768), (768, 8192)]
-
-
-def _median_us(fn, iters: int = 200) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
-
-
 @needs_gpu
 def test_gpu_variants_through_the_plugin_host() -> None:
     from dspark.host.inventory import probe
@@ -387,31 +367,3 @@ def test_gpu_variants_through_the_plugin_host() -> None:
                 want = reference_linear(xh.float().cpu().numpy(), qw, spec.activations)
                 ok, detail = compare({"y": yh.float().cpu().numpy()}, {"y": want}, ["y"], spec.precision)
                 assert ok, f"{spec} rows={rows} {dtype}: {detail}"
-
-
-@needs_gpu
-def test_gpu_per_call_timings() -> None:
-    """Prints median microseconds per call (run with -s); fails only if a kernel is absurdly slow."""
-    dev = "cuda:0"
-    lines = [f"{'K x N':>12} {'rows':>5} {'fp32':>8} {'fp16':>8} {'int8':>8} {'w8a8':>8} {'int4g128':>9} "
-             f"{'int4g128 fp16':>13}"]
-    worst = 0.0
-    for k, n in PROJECTIONS:
-        w = _weight(k, n)
-        wt = torch.from_numpy(w).to(dev)
-        lins = {name: tq.QuantLinear(tq.repack(quantize_weight(w, spec)), dev,
-                                     dynamic_int8=spec.activations == "dynamic_int8")
-                for name, spec in (("int8", _spec(8)), ("w8a8", _spec(8, act="dynamic_int8")),
-                                   ("int4", _spec(4, 128)))}
-        for rows in (1, 128):
-            x = torch.randn(rows, k, device=dev)
-            xh = x.half()
-            t = {"fp32": _median_us(lambda: x @ wt), "fp16": _median_us(lambda: xh @ wt.half())}
-            for name, lin in lins.items():
-                t[name] = _median_us(lambda lin=lin: lin(x))
-            t["int4h"] = _median_us(lambda: lins["int4"](xh))
-            worst = max(worst, max(t[q] for q in ("int8", "w8a8", "int4", "int4h")) / t["fp32"])
-            lines.append(f"{f'{k}x{n}':>12} {rows:>5} {t['fp32']:8.1f} {t['fp16']:8.1f} {t['int8']:8.1f} "
-                         f"{t['w8a8']:8.1f} {t['int4']:9.1f} {t['int4h']:13.1f}")
-    print("\n" + "\n".join(lines))
-    assert worst < 50, f"a quantized kernel is {worst:.0f}x slower than the fp32 matmul"
