@@ -304,6 +304,9 @@ def main() -> None:
               + ", ".join(f"{w} {max(ks, key=lambda k: sweep[(kind, k)][w])}" for w in WORKLOADS))
     for kind, llm in fixed_llms.items():
         llm.engine.spec.cfg = llm.engine.spec.cfg.model_copy(update={"num_speculative_tokens": best_k[kind]})
+        # The sweep's last pass stored the timed prompts' own continuations (suffix-lookup); the
+        # snapshot taken after the warm-up must not hold them, or the timed rounds replay them.
+        fresh[kind]()
 
     # ---- the timed comparison
     base = dspark_contender(plain, "plain")
