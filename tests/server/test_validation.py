@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import wait_for
 
 COMPLETION = {"model": "stdlib-llama", "prompt": "def add(a, b):", "max_tokens": 2}
 CHAT = {"model": "stdlib-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -26,13 +27,19 @@ def post(server: Any, path: str, body: Any, **kw: Any) -> httpx.Response:
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2**64}),
 ], ids=["completion-1e5", "completion-2^70", "chat-1e5", "chat-2^64"])
 def test_max_tokens_beyond_the_context_is_400(server: Any, route: str, body: dict[str, Any]) -> None:
-    t0 = time.perf_counter()
+    def idle() -> bool:
+        m = server.metrics()
+        return m.value("dspark_requests_running") + m.value("dspark_requests_waiting") == 0
+
+    wait_for(idle, 60, "the shared server to finish earlier tests' requests")
+    before = server.metrics().value("dspark_generation_tokens_total")
     r = post(server, route, body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
     assert "maximum context length is 1024 tokens" in err["message"] and "in the completion" in err["message"]
-    assert time.perf_counter() - t0 < 5  # refused up front, not after generating
+    # Refused up front, not after generating: no token was generated (a count, not a clock).
+    assert server.metrics().value("dspark_generation_tokens_total") == before
 
 
 def test_max_tokens_that_fits_exactly_is_accepted(server: Any) -> None:
@@ -98,8 +105,9 @@ def test_huge_prompt_is_refused_without_stalling_others(server: Any) -> None:
         time.sleep(0.01)
     th.join()
     assert got["r"].status_code == 400 and got["r"].json()["error"]["code"] == "context_length_exceeded"
-    assert got["s"] < 3.0, got["s"]
-    assert worst < 1.0, worst
+    # Judged against the request's own time, not a clock budget: a loop held by the 5 MB prompt
+    # would keep /health waiting about as long as the request itself.
+    assert worst < max(0.5 * got["s"], 1.0), (worst, got["s"])
 
 
 def test_tokenizing_a_big_text_runs_off_the_event_loop(server: Any) -> None:
