@@ -102,10 +102,12 @@ class WrongTypes:
 class Hangs(Good):
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.returned = threading.Event()  # set once the hook itself returns
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> list[Device]:
         self.release.wait(60)
+        self.returned.set()
         return [_cpu("hangs")]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -219,11 +218,10 @@ def test_hanging_probe_times_out_and_the_rest_is_listed() -> None:
     host = bare_host(timeout_override_s=0.5)
     hang = Hangs()
     host.register(hang, "hangs")
-    t0 = time.perf_counter()
     inv = probe(host)
-    elapsed = time.perf_counter() - t0
+    still_hung = not hang.returned.is_set()  # the probe came back without waiting for the hook
     hang.release.set()
-    assert elapsed < 5
+    assert still_hung
     assert host.records["hangs"].status == PluginStatus.FAILED
     assert "did not return within 0.5 s" in host.records["hangs"].reason
     assert inv.device("cpu").plugins == ["torch"]
