@@ -54,7 +54,6 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(server_factory:
     t_plain.start()
     # All three in the engine (the short one may have finished already: it is served either way).
     until(lambda: in_engine() >= (2 if "r" in short else 3), "the short and plain requests in flight")
-    t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
 
     def refused() -> bool:
@@ -70,7 +69,6 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(server_factory:
     t_plain.join(30)
     t_long.join(30)
     code = srv.proc.wait(30)
-    took = time.monotonic() - t0
 
     assert short["r"].status_code == 200 and short["r"].json()["usage"]["completion_tokens"] == 24
     plain = short["plain"]
@@ -79,7 +77,7 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(server_factory:
     err = json.loads(long_events[-2])["error"]
     assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
     assert len(long_events) > 3  # it did stream before it was cut
-    assert code == 0 and took < 15, (code, took)
+    assert code == 0, code  # srv.proc.wait(30) above is the hang guard; the cut stream shows the drain ended it
     log = srv.log()
     text = srv.log_path.read_text()
     assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
