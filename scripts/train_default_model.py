@@ -528,10 +528,10 @@ def strip_flags(argv: list[str]) -> list[str]:
             continue
         if a == "--resume":
             continue
-        if a in ("--stages", "--ckpt-dir", "--out-dir", "--continued-from"):
+        if a in ("--stages", "--ckpt-dir", "--out-dir", "--continued-from", "--draft-continued-from"):
             skip = True
             continue
-        if a.startswith(("--stages=", "--ckpt-dir=", "--out-dir=", "--continued-from=")):
+        if a.startswith(("--stages=", "--ckpt-dir=", "--out-dir=", "--continued-from=", "--draft-continued-from=")):
             continue
         out.append(a)
     return out
@@ -611,7 +611,8 @@ def write_card(path: Path, kind: str, info: dict):
                           "already agrees with the main model.")
         if a.get("draft_from"):
             objective += (f" Continued from the weights of the previous draft (`{Path(a['draft_from']).name}`, "
-                          "same architecture) with a fresh optimizer.")
+                          "same architecture" + (f": {a['draft_continued_from']}" if a.get("draft_continued_from") else "")
+                          + ") with a fresh optimizer.")
     long_bs = max(1, a['bs'] * a['seq'] // a.get('long_seq', a['seq']))
     if a.get("long_frac", 0) >= 1.0:
         batches_line = f"Batches: {long_bs} x {a.get('long_seq', a['seq'])} tokens on every step."
@@ -772,6 +773,7 @@ def main():
                     help="start the draft from the (new) main model's embedding and first N layers (0 = from scratch)")
     ap.add_argument("--draft-from", default="",
                     help="continue the draft from this saved model (e.g. the committed stdlib-llama-draft)")
+    ap.add_argument("--draft-continued-from", default="", help="what --draft-from was, for the card")
     ap.add_argument("--distil-weight", type=float, default=0.0,
                     help="weight of the KL to the main model's distribution in the draft's loss (0 = plain CE)")
     ap.add_argument("--distil-temp", type=float, default=1.0)
@@ -911,7 +913,9 @@ def main():
                 cfg["dspark_heldout_slice"] = ev["slice"]
                 cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             info = {"data": data, "stats": stats, "eval": ev, "args": vars(args), "exit_layers": layers,
-                    "vocab_size": len(tok2), "threads": args.threads, "machine": machine, "command": cmd,
+                    "vocab_size": len(tok2), "threads": args.threads, "machine": machine,
+                    # A continued draft is trained beside the main model already in --out-dir.
+                    "command": cmd + (" --stages draft,eval" if kind == "draft" and args.draft_from else ""),
                     "continued_from": args.continued_from or "see git history",
                     "samples": samples, "sample_tokens": args.sample_tokens,
                     "agreement_md": agreement_md if agreement else ""}
