@@ -106,9 +106,10 @@ def read_text(root: Path, rel: str) -> str:
 
 def extra_corpus(root: Path, stdlib_texts: list[str], heldout: list[str], budget_bytes: int,
                  seed: int) -> tuple[list[str], list[str]]:
-    """More Python for continued training, from ``root`` (e.g. an installed site-packages):
-    the stdlib alone is 2.5M tokens, which the model had seen 1.5 times with a held-out gap of
-    about 0.9 nats. Files are taken in a seeded order up to ``budget_bytes``. A file is skipped
+    """More Python for continued training, from ``root`` (e.g. an installed site-packages), for
+    when the stdlib has been read so often that the model learns its files rather than Python
+    (docs/benchmarks.md has the run that tried it). Files are taken in a seeded order up to
+    ``budget_bytes``. A file is skipped
     when it has the basename of a held-out stdlib file (vendored copies such as setuptools'
     ``_distutils`` would leak it) or the exact bytes of any stdlib file."""
     held_names = {Path(h).name for h in heldout}
