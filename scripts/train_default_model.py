@@ -25,8 +25,9 @@ The committed main model was trained from scratch and then continued
 commands are in the model cards. ``--draft-init N --distil-weight W`` starts
 the draft from the main model's first N layers, ``--draft-from DIR`` from a
 saved draft; ``--distil-weight W`` distils it from the main model's
-distribution. ``--extra-corpus DIR`` mixes more Python (an installed
-site-packages) into training, held-out files' basenames excluded.
+distribution. A draft alone (``--stages draft,eval``) trains beside the main
+model in ``--out-dir``; without the main model's checkpoint in
+``--ckpt-dir`` the eval stage leaves its card alone.
 """
 from __future__ import annotations
 
@@ -102,31 +103,6 @@ def is_heldout(rel: str) -> bool:
 
 def read_text(root: Path, rel: str) -> str:
     return (root / rel).read_bytes().decode("utf-8", errors="replace")
-
-
-def extra_corpus(root: Path, stdlib_texts: list[str], heldout: list[str], budget_bytes: int,
-                 seed: int) -> tuple[list[str], list[str]]:
-    """More Python for continued training, from ``root`` (e.g. an installed site-packages), for
-    when the stdlib has been read so often that the model learns its files rather than Python
-    (docs/benchmarks.md has the run that tried it). Files are taken in a seeded order up to
-    ``budget_bytes``. A file is skipped
-    when it has the basename of a held-out stdlib file (vendored copies such as setuptools'
-    ``_distutils`` would leak it) or the exact bytes of any stdlib file."""
-    held_names = {Path(h).name for h in heldout}
-    stdlib_hashes = {hashlib.sha256(t.encode("utf-8", errors="replace")).digest() for t in stdlib_texts}
-    files = [f for f in list_corpus(root) if Path(f).name not in held_names]
-    random.Random(seed).shuffle(files)
-    picked, texts, total = [], [], 0
-    for f in files:
-        t = read_text(root, f)
-        if not t.strip() or hashlib.sha256(t.encode("utf-8", errors="replace")).digest() in stdlib_hashes:
-            continue
-        picked.append(f)
-        texts.append(t)
-        total += len(t.encode())
-        if total >= budget_bytes:
-            break
-    return picked, texts
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -579,12 +555,6 @@ def write_card(path: Path, kind: str, info: dict):
                 f"{ev['slice']['seq_len']} tokens (as `dspark.llm.quantization.evaluate.heldout_windows` cuts them): "
                 f"perplexity {ev['slice']['perplexity']:.3f}, top-1 {fmt_pct(ev['slice']['top1'])} "
                 "(recorded in `config.json` as `dspark_heldout_slice`)." if "slice" in ev else "")
-    x = d.get("extra")
-    extra_md = (f"- Continued training also read {x['n_files']:,} `.py` files of other Python "
-                f"({x['bytes']/1e6:.2f} MB, {x['tokens']:,} tokens) from the training environment's "
-                f"`{Path(x['root']).name}` (mostly {', '.join(list(x['top_packages'])[:6])}), taken in a "
-                "seeded order; a file was skipped if it had the basename of a held-out file or the exact "
-                "bytes of any stdlib file. The list is in `extra_files.txt` of `stdlib-llama`.\n" if x else "")
     if kind == "main":
         title = "stdlib-llama — DSpark's embedded default model"
         blurb = ("A small Llama-architecture causal LM trained from scratch on the Python "
@@ -657,7 +627,7 @@ figures below were measured by that script, not estimated.
   `heldout_files.txt`{'' if kind == 'main' else ' of `stdlib-llama`'}; none of these files was seen in training
   (tokenizer included).
 - Each file is encoded as `<s> file-tokens </s>` and the files are concatenated.
-{extra_md}
+
 ## Tokenizer
 
 Byte-level BPE (`tokenizers`), vocabulary {info['vocab_size']}, special tokens
@@ -778,9 +748,6 @@ def main():
     ap.add_argument("--distil-weight", type=float, default=0.0,
                     help="weight of the KL to the main model's distribution in the draft's loss (0 = plain CE)")
     ap.add_argument("--distil-temp", type=float, default=1.0)
-    ap.add_argument("--extra-corpus", default="",
-                    help="a directory of more .py files (e.g. an installed site-packages) mixed into training")
-    ap.add_argument("--extra-mb", type=float, default=16.0, help="how much of --extra-corpus to take, in MB")
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--exit-layers", default="2")
     ap.add_argument("--exit-weight", type=float, default=0.3)
@@ -796,6 +763,8 @@ def main():
                     help="where stdlib-llama/ and stdlib-llama-draft/ are written (the tokenizer is "
                          "read from the committed model when the tokenizer stage is skipped)")
     args = ap.parse_args()
+    if args.draft_init and args.draft_from:
+        ap.error("--draft-init and --draft-from both say where the draft starts: give one")
     committed = MAIN_DIR
     MAIN_DIR = Path(args.out_dir) / "stdlib-llama"
     DRAFT_DIR = Path(args.out_dir) / "stdlib-llama-draft"
@@ -829,19 +798,6 @@ def main():
             "train_bytes": sum(len(t.encode()) for t in train_texts),
             "heldout_bytes": sum(len(t.encode()) for t in held_texts),
             "train_tokens": len(train_stream), "heldout_tokens": len(held_stream)}
-    if args.extra_corpus:
-        extra_root = Path(args.extra_corpus)
-        picked, extra_texts = extra_corpus(extra_root, train_texts + held_texts, heldout,
-                                           int(args.extra_mb * 1e6), args.seed)
-        extra_stream = encode_files(tok, extra_texts)
-        packages: dict[str, int] = {}
-        for f in picked:
-            packages[f.split("/")[0]] = packages.get(f.split("/")[0], 0) + 1
-        data["extra"] = {"root": str(extra_root), "n_files": len(picked),
-                         "bytes": sum(len(t.encode()) for t in extra_texts), "tokens": len(extra_stream),
-                         "top_packages": dict(sorted(packages.items(), key=lambda kv: -kv[1])[:12])}
-        (MAIN_DIR / "extra_files.txt").write_text("\n".join(picked) + "\n")
-        train_stream = torch.cat([train_stream, extra_stream])
     log(f"data: {json.dumps(data)}")
 
     trained_len = args.long_seq if args.long_frac > 0 else args.seq  # the longest window trained
@@ -864,7 +820,7 @@ def main():
             init = prefix_model(teacher, args.draft_init) if args.draft_init else None
             teacher = teacher if args.distil_weight else None
         if args.draft_from:
-            init = load_saved(Path(args.draft_from))[1].float()
+            init = load_saved(Path(args.draft_from))[1]
         m, stats = train_model("draft", DRAFT_ARCH, train_stream, args, [], 0.0,
                                args.draft_steps, args.draft_max_minutes, len(tok), held_stream,
                                init=init, teacher=teacher)
@@ -879,8 +835,10 @@ def main():
                    f"{args.threads} threads; the machine was shared with other jobs, so times are "
                    "indicative only)")
         for kind, path, layers in (("main", MAIN_DIR, exit_layers), ("draft", DRAFT_DIR, [])):
-            st = torch.load(Path(args.ckpt_dir) / f"{kind}.pt", map_location="cpu", weights_only=False)
-            stats = st["stats"]
+            ckpt = Path(args.ckpt_dir) / f"{kind}.pt"
+            # Without this run's checkpoint (a draft trained beside the committed main model) the model is
+            # evaluated for the agreement figures but its card, not this run's, is left as it is.
+            stats = torch.load(ckpt, map_location="cpu", weights_only=False)["stats"] if ckpt.exists() else None
             tok2, model = load_saved(path)
             t = time.time()
             preds: dict[str, list[torch.Tensor]] = {}
@@ -893,6 +851,11 @@ def main():
                          for h, v in flat.items() if not (kind == "main" and h == "full")}
             for h, v in agreement.items():
                 ev[h if kind == "main" else "full"]["greedy_agreement_with_main"] = v
+            if stats is None:
+                log(f"[{kind}] greedy agreement with the main model: {json.dumps(agreement)}; no checkpoint in "
+                    f"{args.ckpt_dir}, so its card is left as it is")
+                del model
+                continue
             agreement_md = ("Greedy agreement with the main model (teacher-forced on the same held-out windows: "
                             "the share of positions where this head's argmax equals the full model's): "
                             + ", ".join(f"`{h}` {fmt_pct(v)}" for h, v in agreement.items()) + ".")
