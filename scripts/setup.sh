@@ -16,4 +16,9 @@ fi
 # dependencies: it requires the onnxruntime distribution, which would overwrite onnxruntime-gpu's files.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'jax2onnx>=0.17,<0.18' 2>&1 \
   | grep -v "^WARNING: Location 'file:" || true
-.venv/bin/python -c "import dspark, torch, openvino, onnxruntime; print('dspark', dspark.__version__, '| torch', torch.__version__)"
+# The llamacpp plugin (plugins/dspark-llamacpp, its own distribution): llama-cpp-python built for this CPU
+# once (scripts/llamacpp_wheel.sh caches the wheel), then the plugin, found through its entry point.
+WHEEL="$(bash scripts/llamacpp_wheel.sh .venv/bin/python | tail -n1)"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "${CONSTRAINTS[@]}" "$WHEEL" \
+  -e plugins/dspark-llamacpp 2>&1 | grep -v "^WARNING: Location 'file:" || true
+.venv/bin/python -c "import dspark, torch, openvino, onnxruntime, llama_cpp; print('dspark', dspark.__version__, '| torch', torch.__version__, '| llama-cpp-python', llama_cpp.__version__)"

@@ -100,7 +100,7 @@ class FakeNPU:
 
 def slow_host() -> tuple[PluginHost, Inventory]:
     # Only the slowed OpenVINO and the real ONNX Runtime CPU EP ("npu" plugin) compete.
-    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram", "llamacpp"}))
     host.register(SlowOpenVINO(), "slow-ov")  # before probing
     host.load()
     inv = probe(host)
@@ -176,7 +176,7 @@ def test_concurrent_callers_are_all_served_across_a_swap(
 def test_learning_is_sampled_after_a_plans_first_runs(demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
     """Every run of a plan's first LEARN_ALL teaches the cost model, then one in LEARN_EVERY; all are served."""
     graph, x, ref = demo
-    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu"})).load()  # OpenVINO alone
+    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu", "llamacpp"})).load()  # OpenVINO alone
     inv = probe(host)
     runner = AdaptiveRunner(graph, host, inv, measure_close=False)
     if targets(runner) != {"cpu@cpu"}:
@@ -194,7 +194,7 @@ def test_learning_is_sampled_after_a_plans_first_runs(demo: tuple[Graph, dict[st
 def test_memory_shrinking_below_the_plan_forces_a_replan(
         demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
     graph, x, ref = demo
-    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram", "llamacpp"}))
     host.register(FakeNPU(), "fakenpu")
     host.load()
     inv = probe(host)
@@ -238,7 +238,7 @@ def test_a_partition_failing_on_the_lean_path_is_charged_and_the_run_is_served(
         demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
     """Past the runs learned from, runs take the lean path; a failure there is recovered from as anywhere."""
     graph, x, ref = demo
-    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram"}))
+    host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram", "llamacpp"}))
     plugin = LosableOpenVINO(0.0)
     host.register(plugin, "laterfail")
     host.load()
@@ -260,7 +260,7 @@ def test_a_replan_marks_the_runs_beside_it_as_no_evidence_for_calibration(
     from dspark.sdk.calibration import observations
 
     graph, x, ref = demo
-    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu"})).load()
+    host = PluginHost(PluginSettings(blocked={"cuda", "torch", "ngram", "npu", "llamacpp"})).load()
     runner = AdaptiveRunner(graph, host, probe(host), min_runs=10**9, measure_close=False)
     seen: list[int] = []
     real = runner._adapt

@@ -21,7 +21,8 @@ import networkx as nx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE_SRC = [REPO / "plugins" / "dspark-numpy" / "src", REPO / "plugins" / "dspark-example-drafter" / "src"]
+EXAMPLE_SRC = [REPO / "plugins" / "dspark-numpy" / "src", REPO / "plugins" / "dspark-example-drafter" / "src",
+               REPO / "plugins" / "dspark-llamacpp" / "src"]
 MAX_MODULE_LINES = 500
 MAX_FOLDER_MODULES = 12  # besides __init__.py and __main__.py
 SOURCE_ROOTS = [REPO / "core" / "dspark", REPO / "dspark_plugins_cpu", REPO / "dspark_plugins_cuda",

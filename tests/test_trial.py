@@ -72,7 +72,7 @@ class TwinOpenVINO:
 
 
 def twin_host(scale: float, extra_s: float) -> tuple[PluginHost, Inventory]:
-    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "torch", "ngram"}))
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "torch", "ngram", "llamacpp"}))
     host.register(TwinOpenVINO(scale, extra_s), "twin")
     host.load()
     inv = probe(host)

@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.7).
+"""The dspark plugin contract (API version 1.8).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.7"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.8"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -16,6 +16,8 @@ to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
 ``dspark_decoder_bid`` and ``dspark_compile_decoder``, with their types in
 :mod:`dspark.sdk.decoder`. API 1.7 added real models to :mod:`dspark.testing`
 (``real_model``, ``activations``, the demo block) for checking kernels on real activations.
+API 1.8 added decoders that keep the KV per sequence themselves (``DecoderBid.kv="sequence"``,
+:class:`~dspark.sdk.decoder.SequenceDecoder`, :class:`~dspark.sdk.decoder.SeqBatch`).
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.7"
+API_VERSION = "1.8"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -244,6 +246,11 @@ def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> CompiledDeco
     ``allocate(num_blocks)`` (KV memory on the device, in the engine's blocks)
     and ``step(kv, batch)`` (one :class:`~dspark.sdk.decoder.StepBatch`; logits
     of ``batch.logit_rows``, or the hidden state for a range that stops early).
+    For a bid with ``kv="sequence"`` (API 1.8) return a
+    :class:`~dspark.sdk.decoder.SequenceDecoder` instead: ``allocate(num_tokens,
+    max_seqs)`` and ``step(kv, batch)`` over a :class:`~dspark.sdk.decoder.SeqBatch`
+    (sequence ids, tokens, positions, logit rows and the positions to drop); the
+    runtime keeps each sequence's KV itself.
     ``None`` is a broken promise and is reported as one. Steps run in the
     engine's thread, outside this hook's timeout; a step that raises or hangs is
     charged to the plugin and the engine moves the model to its next target,

@@ -137,6 +137,10 @@ class DecoderBid(_Strict):
     weight_bytes: int = Field(0, ge=0, description="Device memory for the weights of the range.")
     kv_bytes_per_token: int = Field(0, ge=0, description="Device memory per cached token, all layers of the range.")
     exit_layers: bool = Field(False, description="Runs StepBatch.exit_layer (self-drafting's early exit).")
+    kv: Literal["paged", "sequence"] = Field(
+        "paged", description="API 1.8: 'sequence' when the runtime keeps the KV per sequence itself "
+        "(dspark.sdk.decoder.SequenceDecoder) instead of in the engine's blocks.")
+    max_seqs: int | None = Field(None, ge=1, description="API 1.8: the most live sequences it holds; None = any.")
     declined: str | None = Field(None, description="Set when the plugin will not run this spec: why.")
     note: str = ""
 

@@ -149,22 +149,24 @@ def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -
     """``dspark devices --decoders MODEL``: the engine's decoder choice for MODEL, bids and timings."""
     from pathlib import Path
 
-    from dspark.host.inventory import probe
     from dspark.llm.api import default_model_path
-    from dspark.llm.config import EngineConfig
-    from dspark.llm.decoding.choose import choose_decoder
-    from dspark.llm.runner.model import ModelRunner
-    from dspark.llm.runner.packed_linear import pack_runner
+    from dspark.llm.engine import LLMEngine
+    from dspark.llm.gguf import is_gguf
 
     path = default_model_path() if model == "default" else Path(model)
-    if not (path / "config.json").exists():
-        err.print(f"[red]error:[/red] --decoders: {path} is not a checkpoint directory (no config.json)")
+    if not ((path / "config.json").exists() or is_gguf(path)):
+        err.print(f"[red]error:[/red] --decoders: {path} is neither a checkpoint directory (no config.json) "
+                  "nor a GGUF file")
         raise typer.Exit(2)
     host = host_from_cli(plugin)
     with err.status(f"bidding on {path.name}'s decoder and timing the bidders..."):
-        runner = ModelRunner.from_pretrained(str(path), dtype)
-        pack_runner(runner, "auto")
-        _, choice = choose_decoder(runner, path, EngineConfig(decoder="auto"), host=host, inv=probe(host))
+        # The engine's own start-up path, so a GGUF file is offered as the engine offers it.
+        engine = LLMEngine(path, dtype=dtype, decoder="auto", plugin_host=host)
+    runner = engine.runner
+    choice = engine.decoder_choice
+    if choice is None:
+        err.print(f"[red]error:[/red] --decoders: {path.name} runs only on the torch runner here")
+        raise typer.Exit(1)
     if as_json:
         print(json.dumps(choice.to_dict(), indent=2))
         return

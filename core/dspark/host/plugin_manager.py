@@ -391,8 +391,14 @@ def _validate(hook: str, plugin: str, raw: Any, kwargs: dict[str, Any]) -> Any:
                                   f"quantized_by={plugin!r}, got {_summary(raw, 80)}")
             return raw
         if hook == "dspark_compile_decoder":
-            if not (isinstance(getattr(raw, "block_size", None), int) and callable(getattr(raw, "allocate", None))
-                    and callable(getattr(raw, "step", None))):
+            steps = callable(getattr(raw, "allocate", None)) and callable(getattr(raw, "step", None))
+            if getattr(raw, "kv_mode", "paged") == "sequence":  # API 1.8: the runtime keeps the KV per sequence
+                if not steps:
+                    raise PluginError(f"plugin {plugin!r}: dspark_compile_decoder returned {type(raw).__name__} "
+                                      "(kv_mode 'sequence'), which lacks allocate(num_tokens, max_seqs) or "
+                                      "step(kv, batch)")
+                return raw
+            if not (isinstance(getattr(raw, "block_size", None), int) and steps):
                 raise PluginError(f"plugin {plugin!r}: dspark_compile_decoder returned {type(raw).__name__}, "
                                   "which lacks block_size, allocate(num_blocks) or step(kv, batch)")
             return raw

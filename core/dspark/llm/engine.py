@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark.host.log import get_logger
 from dspark.llm.config import EngineConfig
 from dspark.llm.gguf import load_runner
 from dspark.llm.logits import (
@@ -26,6 +27,8 @@ from dspark.llm.outputs import EngineStats, RequestOutput, Usage
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
+log = get_logger("dspark.llm.engine")
+
 if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
     from dspark.host.plugin_manager import PluginHost
@@ -41,13 +44,17 @@ class LLMEngine:
         serve the whole engine."""
         if config is not None and config_kw:
             raise TypeError("pass either config= or engine keyword arguments, not both")
+        t_start = time.perf_counter()
         self.model_path = Path(model)
         self._plugin_host = plugin_host
         self._inventory: Inventory | None = None
         cfg = config or EngineConfig(**config_kw)
         if cfg.max_model_len is not None and (self.model_path / "config.json").exists():  # before loading
             _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)
-        self.runner, self.gguf = load_runner(self.model_path, dtype)  # gguf: a .gguf file's types and plan
+        # A quantized GGUF file starts without the torch runner's copy of its weights: a decoder that runs the
+        # file as stored (decoding/setup.py) then holds them once; the torch runner loads only if it must run.
+        plugins_may_run = cfg.decoder != "torch" and cfg.devices is None and cfg.dense_offload == "off"
+        self.runner, self.gguf = load_runner(self.model_path, dtype, weightless_if_quantized=plugins_may_run)
         mcfg = self.runner.cfg
         if cfg.max_model_len is not None:
             _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
@@ -96,6 +103,12 @@ class LLMEngine:
                                     max_model_len=max_len, max_batch_size=self.config.max_batch_size,
                                     eos_ids=self.eos_ids, default_gen=self._default_gen, host=self.plugin_host,
                                     runtime=self)
+        self.load_seconds = time.perf_counter() - t_start
+        ref = getattr(self.runner, "reference", self.runner)
+        log.info("llm.engine.loaded", model=str(self.model_path), seconds=round(self.load_seconds, 2),
+                 decoder=getattr(getattr(self.runner, "current", None), "label", "torch"),
+                 torch_weights="not loaded (the decoder holds the file's own)" if getattr(ref, "is_weightless", False)
+                 else "loaded")
 
     @property
     def plugin_host(self) -> PluginHost:
@@ -121,9 +134,19 @@ class LLMEngine:
             self._inventory = probe(self.plugin_host)
         return self._inventory
 
-    def _quantize(self, cfg: EngineConfig) -> None:
+    def load_torch_runner(self) -> Any:
+        """The torch runner with its weights, for a start that deferred them (a quantized GGUF file): the
+        file's tensors read now, its Q8_0 blocks on the int8 kernels. ``self.runner`` is left as it is."""
+        runner, self.gguf = load_runner(self.model_path, self.runner.dtype)
+        self._quantize(self.config, runner)
+        return runner
+
+    def _quantize(self, cfg: EngineConfig, runner: Any = None) -> None:
         from dspark.llm.quantization.convert import PLAN_FILE, is_optimized
 
+        runner = self.runner if runner is None else runner
+        if getattr(runner, "is_weightless", False):
+            return  # nothing to quantize yet: load_torch_runner() quantizes what it loads
         qc = cfg.quantization
         speed = None if qc is None else qc.speed_first
         if self.gguf is not None:  # a GGUF file runs as its types say: Q8_0 on the int8 kernels (dspark.llm.gguf)
@@ -143,7 +166,7 @@ class LLMEngine:
         elif qc is not None and qc.enabled:
             from dspark.llm.quantization.sensitivity import build_plan
 
-            plan = build_plan(self.runner, self.model_path, qc)
+            plan = build_plan(runner, self.model_path, qc)
         else:
             return
         if cfg.dense_offload != "off":
@@ -151,7 +174,7 @@ class LLMEngine:
         from dspark.llm.quantization.apply import apply_plan
 
         self.quant_plan = plan
-        self.quant_kernels = apply_plan(self.runner, plan, speed_first=speed, host=self.plugin_host, inv=self.inventory)
+        self.quant_kernels = apply_plan(runner, plan, speed_first=speed, host=self.plugin_host, inv=self.inventory)
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -15,6 +15,14 @@ prefill chunks, decode tokens and verified drafts of many sequences.
   ``PagedAttentionExtension`` and vLLM take them.
 - :class:`CompiledDecoder`: ``allocate(num_blocks)`` and ``step(kv, batch)``.
 
+API 1.8 adds a second mode, for whole-model runtimes that keep the KV per sequence
+themselves (llama.cpp, NPU LLM runtimes): a :class:`SequenceDecoder` (``kv_mode =
+"sequence"``) is given, each step, a :class:`SeqBatch`: every row's stable sequence
+id, token and position, the rows that want logits, and the positions to drop first
+(rejected drafts, preemption, finished or aborted requests). The engine keeps its
+block tables only as bookkeeping of how many tokens each sequence holds; the
+plugin's ``allocate(num_tokens, max_seqs)`` says what it can hold.
+
 Weights are numpy float32 views of the engine's own tensors (no copy), so
 every plugin builds from the same numbers the torch reference runs.
 """
@@ -23,14 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from dspark.types import DecoderBid, QuantSpec
 
 __all__ = ["FEATURES", "CompiledDecoder", "DecoderBid", "DecoderSpec", "DecoderWeights", "LayerWeights",
-           "StepBatch"]
+           "SeqBatch", "SequenceDecoder", "StepBatch", "is_sequence"]
 
 # What a model may need beyond a plain Llama decoder (RMSNorm, RoPE, SwiGLU, GQA); a plugin
 # declines a spec whose ``features`` hold one it does not implement.
@@ -47,6 +55,9 @@ FEATURES: dict[str, str] = {
     "partial_rotary": "RoPE over only part of each head",
     "no_rope_layers": "layers without RoPE (SmolLM3)",
     "attn_scale": "an attention scale other than head_dim ** -0.5",
+    # API 1.8: a GGUF file whose weights are quantized (Q4_K_M, Q8_0, ...) runs in its own types, read from
+    # ``DecoderSpec.path``; ``weights()`` gives only the engine's dequantized copy, not what the user asked for.
+    "gguf_stored": "weights quantized in a GGUF file, run as stored (read from DecoderSpec.path)",
 }
 
 
@@ -200,3 +211,52 @@ class CompiledDecoder(Protocol):
     def allocate(self, num_blocks: int) -> Any: ...
 
     def step(self, kv: Any, batch: StepBatch) -> Any: ...
+
+
+@dataclass
+class SeqBatch:
+    """One forward step of a decoder that keeps its KV per sequence (API 1.8).
+
+    ``T`` rows. Before the rows run, every ``(seq_id, first)`` of ``drops`` drops that
+    sequence's positions ``>= first`` (``first == 0``: the sequence is gone, its id will not
+    come back). Then row ``r`` appends ``input_ids[r]`` at ``positions[r]`` to sequence
+    ``seq_ids[r]`` and attends causally to that sequence's earlier positions. A sequence's rows
+    are contiguous and continue from its last kept position (a new id starts at 0).
+    """
+
+    seq_ids: np.ndarray  # [T] int64: stable for a sequence's life; new ids appear, dropped ones do not return
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    # Rows whose logits are returned, ascending: each sequence's last row, or every row of a chunk that
+    # wants them all (a verified draft, prompt logprobs).
+    logit_rows: np.ndarray  # [R] int64
+    drops: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, first position dropped)
+    exit_layer: int | None = None  # only if the bid said exit_layers=True
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@runtime_checkable
+class SequenceDecoder(Protocol):
+    """What ``dspark_compile_decoder`` returns for a bid with ``kv="sequence"`` (API 1.8).
+
+    ``kv_mode``: ``"sequence"``. ``allocate(num_tokens, max_seqs)``: a KV store holding up to
+    ``num_tokens`` cached tokens over at most ``max_seqs`` live sequences (the engine may hold
+    several: a drafter's own); raise if the runtime cannot give that much. ``step(kv, batch)``:
+    apply ``batch.drops``, run ``batch``'s rows, return float32 logits ``[len(batch.logit_rows),
+    vocab]`` as a numpy array or CPU torch tensor. A step that raises is charged to the plugin and
+    the engine moves to its next target, which recomputes the sequences from their tokens.
+    """
+
+    kv_mode: Literal["sequence"]
+
+    def allocate(self, num_tokens: int, max_seqs: int) -> Any: ...
+
+    def step(self, kv: Any, batch: SeqBatch) -> Any: ...
+
+
+def is_sequence(decoder: object) -> bool:
+    """True for a decoder that keeps its KV per sequence (:class:`SequenceDecoder`)."""
+    return getattr(decoder, "kv_mode", "paged") == "sequence"

@@ -12,7 +12,12 @@ torch runner is always its last entry.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,17 +31,19 @@ from dspark.llm.decoding.conformance import compare
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import float_runner, make_spec
 from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
+from dspark.sdk.decoder import is_sequence
 
 if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
     from dspark.host.plugin_manager import PluginHost
     from dspark.llm.config import EngineConfig
     from dspark.llm.runner.model import ModelRunner
-    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
+    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec, SequenceDecoder
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
 _NAMESPACE = "decoder-timings-v1"
+_PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
 _CONTEXT = 128  # tokens each timed sequence holds
 
 
@@ -99,24 +106,59 @@ def _fake_quant_reference(path: Path, dtype: torch.dtype, quant: dict[str, Quant
     return ref
 
 
-def _probe(decoder: CompiledDecoder, reference: ModelRunner, spec: DecoderSpec) -> str | None:
+def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, spec: DecoderSpec) -> str | None:
     """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half precision or
     quantized: a few flips; a broken decoder is far off both)."""
+    bs = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
     r = compare(decoder, reference, prompt_lens=(5, 19), decode_steps=2, draft=3,
-                num_blocks=max(8, -(-64 // decoder.block_size) * 2 + 4))
-    tol, flips = (1e-2, 0.1) if spec.dtype == "float32" and not spec.quantization else (1.0, 0.25)
+                num_blocks=max(8, -(-64 // bs) * 3 + 4))
+    exact = spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
+    tol, flips = (1e-2, 0.1) if exact else (1.0, 0.25)
     if r.max_abs_diff > tol or r.flip_rate > flips:
         return (f"its logits differ from the torch runner's by up to {r.max_abs_diff:.3g} with "
                 f"{r.argmax_flips}/{r.rows} argmax flips on the probe scenario")
     return None
 
 
+def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner] | None) -> str | None:
+    """The probe of a target running a quantized GGUF file as stored, against the file dequantized in a
+    process of its own (the serving process holds no torch copy); the verdict is cached per file, target and
+    runtime. A plugin that only lives in this process is probed here, with the reference loaded for it."""
+    key = {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime}
+    cached = disk.load(_PROBE_NAMESPACE, key)
+    if cached is not None:
+        return cached.get("bad")
+    req = {"path": spec.path, "dtype": spec.dtype, "plugin": t.plugin, "device": t.device_id,
+           "fingerprint": spec.fingerprint, "max_num_tokens": spec.max_num_tokens, "max_num_seqs": spec.max_num_seqs}
+    env = {**os.environ, "DSPARK_PLUGINS": str(t.plugin)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dspark.llm.decoding.probe_child", json.dumps(req)],
+                              capture_output=True, text=True, timeout=900, env=env)
+        out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else {
+            "bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+    except subprocess.TimeoutExpired:
+        out = {"bad": "the probe's process did not finish within 900 s"}
+    if "missing" in out:
+        if load_reference is None:
+            return str(out["missing"])
+        assert t.compiled is not None
+        try:
+            return _probe(t.compiled, load_reference(), spec)
+        except Exception as exc:
+            return f"the probe step raised {type(exc).__name__}: {exc}"
+    disk.store(_PROBE_NAMESPACE, key, out)
+    return out.get("bad")
+
+
 def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost,
-           declined: list[dict[str, str]]) -> bool:
+           declined: list[dict[str, str]], load_reference: Callable[[], ModelRunner] | None = None) -> bool:
     """Run the probe scenario on ``t``; a wrong or failing decoder is charged to its plugin and left out."""
     assert t.compiled is not None
     try:
-        bad = _probe(t.compiled, reference, spec)
+        if getattr(reference, "is_weightless", False):
+            bad = _probe_isolated(t, spec, load_reference)
+        else:
+            bad = _probe(t.compiled, reference, spec)
     except Exception as exc:
         bad = f"the probe step raised {type(exc).__name__}: {exc}"
     if bad:
@@ -145,11 +187,17 @@ def _split(host: PluginHost, spec: DecoderSpec, short: list[tuple[DecoderBid, De
 
 
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
-                   quantization: dict[str, QuantSpec] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
-    """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'."""
+                   quantization: dict[str, QuantSpec] | None = None,
+                   stored: bool = False,
+                   load_reference: Callable[[], ModelRunner] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
+    """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'.
+    ``stored``: a quantized GGUF file, offered only to decoders that run it as stored (``gguf_stored``).
+    ``runner`` may be weightless (``ModelRunner.weightless``): then the targets are probed in a process of
+    their own, not timed against the torch runner (the file's size is the point: it runs as stored), and
+    ``load_reference`` loads the torch runner if a failover ever needs it."""
     t0 = time.perf_counter()
     spec = make_spec(runner, path, max_num_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_batch_size,
-                     quantization=quantization)
+                     quantization=quantization, extra_features=frozenset({"gguf_stored"}) if stored else frozenset())
     max_tokens = cfg.max_total_tokens or 8192
     declined: list[dict[str, str]] = []
     candidates: list[tuple[DecoderBid, Device]] = []
@@ -159,6 +207,10 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         if not _wanted(cfg.decoder, bid):
             continue
         small = None if bid.declined else _fits(bid, dev, max_tokens)
+        if not bid.declined and bid.max_seqs is not None and bid.max_seqs < cfg.max_batch_size:
+            declined.append({"label": label, "reason": f"holds at most {bid.max_seqs} sequences; the engine's "
+                                                       f"max_batch_size is {cfg.max_batch_size}"})
+            continue
         if bid.declined or small:
             declined.append({"label": label, "reason": bid.declined or small or ""})
             if small:
@@ -176,9 +228,14 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
             host.charge(bid.plugin, "dspark_compile_decoder", "bid on the decoder, then returned None",
                         device=dev.id)
             continue
+        if (bid.kv == "sequence") != is_sequence(compiled):
+            why = f"bid kv={bid.kv!r}, then compiled a decoder of the other mode"
+            declined.append({"label": label, "reason": why})
+            host.charge(bid.plugin, "dspark_compile_decoder", why, device=dev.id)
+            continue
         t = Target(label, bid.runtime, compiled, bid.plugin, dev.id, exit_layers=bid.exit_layers, note=bid.note,
-                   any_block=bid.block_size is None)
-        if _admit(t, reference, spec, host, declined):
+                   any_block=bid.block_size is None or bid.kv == "sequence")
+        if _admit(t, reference, spec, host, declined, load_reference):
             targets.append(t)
     if not targets and len(short) > 1:  # no device holds it: layer ranges over several
         chain = _split(host, spec, short, max_tokens, declined)
@@ -191,7 +248,11 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
-    if cfg.decoder == "auto":
+    if getattr(runner, "is_weightless", False):  # the torch runner would hold the file dequantized: fallback only
+        ranked = [*targets, ref]
+        why = "runs the quantized GGUF file as stored ({}; the torch runner, which would hold it dequantized, " \
+              "is the fallback, loaded from the file if it must run)"
+    elif cfg.decoder == "auto":
         _time(targets, ref, runner, spec, cfg)
         ranked = sorted([*targets, ref], key=lambda t: t.score)
         why = "measured fastest ({})"
@@ -206,16 +267,17 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
-    block = first.compiled.block_size  # type: ignore[union-attr]
+    # The block tables' page size: the winner's (a per-sequence winner has none: the engine's own).
+    block = cfg.page_size if first.keeps_kv else first.compiled.block_size  # type: ignore[union-attr]
     for t in ranked:  # a bid of block_size=None takes the winner's layout (failover keeps the block tables)
-        if t.any_block and t is not first:
+        if t.any_block and t is not first and not t.keeps_kv:
             t.compiled.block_size = block  # type: ignore[union-attr]
-    chain = [t for t in ranked if t.is_reference or t.compiled.block_size == block]  # type: ignore[union-attr]
+    chain = [t for t in ranked if t.is_reference or t.keeps_kv or t.compiled.block_size == block]  # type: ignore[union-attr]
     chain = chain[: chain.index(next(t for t in chain if t.is_reference)) + 1]
     choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,
                            time.perf_counter() - t0)
     _log(choice)
-    return DecoderRunner(runner, chain, host=host), choice
+    return DecoderRunner(runner, chain, host=host, max_seqs=cfg.max_batch_size, reference_loader=load_reference), choice
 
 
 def _beat(first: Target, ranked: list[Target]) -> str:
@@ -250,8 +312,8 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, spec: Decoder
                 benches[t.label] = Bench(runner.step, lambda n: runner.make_cache(n, 16), 16, max_seqs=max_seqs,
                                          context=ctx, max_rows=130, vocab=vocab)
             else:
-                dr = DecoderRunner(runner, [t], step_timeout_s=None)
-                bs = t.compiled.block_size  # type: ignore[union-attr]
+                dr = DecoderRunner(runner, [t], step_timeout_s=None, max_seqs=max_seqs)
+                bs = 16 if t.keeps_kv else t.compiled.block_size  # type: ignore[union-attr]
                 benches[t.label] = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs,
                                          max_seqs=max_seqs, context=ctx, max_rows=130, vocab=vocab)
         timed = time_targets(benches, sl)

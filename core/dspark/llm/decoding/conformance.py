@@ -2,7 +2,10 @@
 probe step, the plugins' tests and third-party plugin authors.
 
 The scenario mixes what the engine sends: two prompts prefilled in one step (one of them in two
-chunks), batched decode steps, and a verified draft (every row's logits) with a rollback after it.
+chunks), batched decode steps, and a verified draft (every row's logits) with a rollback after it,
+then one sequence freed and a new one started beside the other. The decoder is driven through the
+engine's own :class:`~dspark.llm.decoding.runner.DecoderRunner` (failover off), so a per-sequence
+decoder (API 1.8) sees the drops and ids the engine sends.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.llm.decoding.batch import build_batch, split_logits
-from dspark.llm.runner.kv_cache import PagedKVCache
+from dspark.llm.decoding.runner import DecoderRunner, Target
 from dspark.llm.runner.model import ModelRunner, SeqChunk
-from dspark.sdk.decoder import CompiledDecoder
+from dspark.sdk.decoder import CompiledDecoder, SequenceDecoder, is_sequence
 
 
 @dataclass
@@ -34,26 +36,23 @@ def _as_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
 
 
-def compare(decoder: CompiledDecoder, runner: ModelRunner, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),
+def compare(decoder: CompiledDecoder | SequenceDecoder, runner: ModelRunner, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),
             decode_steps: int = 6, draft: int = 8, num_blocks: int = 64) -> Conformance:
     """Run the scenario on ``decoder`` and on ``runner`` (the torch reference), greedy tokens fed to
     both from the reference; returns how far the logits are apart."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.cfg.vocab_size
-    ps = decoder.block_size
+    ps = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
     ref = runner.make_cache(num_blocks, ps)
-    mine = PagedKVCache(num_layers=runner.cfg.num_hidden_layers, num_pages=num_blocks, page_size=ps, kv_heads=1,
-                        head_dim=1, device="meta")
-    kv = decoder.allocate(num_blocks)
+    driver = DecoderRunner(runner, [Target("checked", "checked", decoder)], step_timeout_s=None, max_seqs=4,
+                           failover=False)
+    mine = driver.make_cache(num_blocks, ps)
     worst, rows, flips = 0.0, 0, 0
 
     def step(chunks: list[SeqChunk]) -> list[torch.Tensor]:
         nonlocal worst, rows, flips
         want = runner.step(ref, chunks)
-        batch = build_batch(mine, chunks)
-        got = split_logits(chunks, _as_tensor(decoder.step(kv, batch)).float())
-        for ch in chunks:
-            mine.set_len(ch.seq_id, mine.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
+        got = [_as_tensor(o).float() for o in driver.step(mine, chunks)]
         for w, o in zip(want, got, strict=True):
             w2, o2 = w.reshape(-1, vocab).float(), o.reshape(-1, vocab)
             worst = max(worst, float((w2 - o2).abs().max()))
@@ -73,5 +72,9 @@ def compare(decoder: CompiledDecoder, runner: ModelRunner, *, seed: int = 0, pro
     out = step([SeqChunk("a", drafted, all_logits=True), SeqChunk("b", [last[1]])])
     for cache in (ref, mine):  # the draft is rejected after its first token: roll back
         cache.truncate("a", draft)
-    step([SeqChunk("a", [int(out[0][0].argmax())])])
+    out = step([SeqChunk("a", [int(out[0][0].argmax())])])
+    for cache in (ref, mine):  # "b" finishes; "c" starts beside "a" (a per-sequence decoder is told to drop "b")
+        cache.free("b")
+    c = torch.randint(4, vocab, (prompt_lens[0],), generator=g).tolist()
+    step([SeqChunk("a", [int(out[0].argmax())]), SeqChunk("c", c)])
     return Conformance(max_abs_diff=worst, rows=rows, argmax_flips=flips)

@@ -10,6 +10,12 @@ KV there by recomputing it from the tokens it has recorded, and runs the step
 again, so no request fails. The block size is the first target's; every later
 target takes it (the torch runner and the plugins that bid ``block_size=None``
 run any).
+
+A target that keeps its KV per sequence (API 1.8, ``SequenceDecoder``) gets no
+block tables: the engine's cache still counts each sequence's tokens and pages
+(the scheduler admits and preempts on them), and each step this runner tells the
+target what changed since its last step: the positions the engine dropped
+(rejected drafts, preemption, finished requests) and the new rows.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import torch
 
 from dspark.host import hook_threads
 from dspark.host.log import get_logger
-from dspark.llm.decoding.batch import build_batch, split_logits
+from dspark.llm.decoding.batch import SeqKV, build_batch, build_seq_batch, split_logits
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.sdk.decoder import is_sequence
 
 if TYPE_CHECKING:
     from dspark.host.plugin_manager import PluginHost
@@ -59,13 +66,24 @@ class Target:
     def is_reference(self) -> bool:
         return self.compiled is None
 
+    @property
+    def keeps_kv(self) -> bool:
+        """The target keeps the KV per sequence itself (API 1.8): no block layout to agree on."""
+        return self.compiled is not None and is_sequence(self.compiled)
+
 
 class DecoderRunner:
     """A :class:`ModelRunner` stand-in driving ``targets`` (best first) with failover."""
 
     def __init__(self, reference: ModelRunner, targets: list[Target], *, host: PluginHost | None = None,
                  step_timeout_s: float | None = 60.0,
-                 on_failover: Callable[[Target, Target, str], None] | None = None) -> None:
+                 on_failover: Callable[[Target, Target, str], None] | None = None,
+                 max_seqs: int = 256, failover: bool = True,
+                 reference_loader: Callable[[], ModelRunner] | None = None) -> None:
+        """``max_seqs``: the most sequences a cache holds at once (what a per-sequence target is asked to
+        hold); ``failover=False``: a target's fault is raised, not worked around (conformance checks);
+        ``reference_loader``: loads the torch runner's weights when ``reference`` is weightless (a quantized
+        GGUF file run as stored) and a failover reaches it."""
         if not targets or not targets[-1].is_reference:
             targets = [*[t for t in targets if not t.is_reference], Target(REFERENCE, "torch")]
         self.reference = reference
@@ -74,6 +92,9 @@ class DecoderRunner:
         self.host = host
         self.step_timeout_s = step_timeout_s
         self.on_failover = on_failover
+        self.max_seqs = max_seqs
+        self.failover_enabled = failover
+        self.reference_loader = reference_loader
         self.failovers: list[dict[str, Any]] = []
         self._caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -87,8 +108,8 @@ class DecoderRunner:
 
     @property
     def block_size(self) -> int | None:
-        c = self.targets[0].compiled
-        return None if c is None else c.block_size
+        t = self.targets[0]
+        return None if t.compiled is None or t.keeps_kv else t.compiled.block_size
 
     def padded_rows(self, n: int) -> int:
         return n if self.current.compiled is not None else self.reference.padded_rows(n)
@@ -106,9 +127,15 @@ class DecoderRunner:
             cache = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
                                  kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.reference.dtype,
                                  device="meta")
-            cache.device_kv = (self.current.label, self.current.compiled.allocate(num_pages))  # type: ignore[attr-defined]
+            cache.device_kv = (self.current.label, self._allocate(self.current, num_pages, page_size))  # type: ignore[attr-defined]
         self._caches.add(cache)
         return cache
+
+    def _allocate(self, target: Target, num_pages: int, page_size: int) -> Any:
+        assert target.compiled is not None
+        if target.keeps_kv:
+            return SeqKV(target.compiled.allocate(num_pages * page_size, self.max_seqs))
+        return target.compiled.allocate(num_pages)
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None = None) -> list[torch.Tensor]:
@@ -126,6 +153,8 @@ class DecoderRunner:
                 except NotImplementedError:  # a step shape the target does not offer (an early exit): not a fault
                     raise
                 except Exception as exc:  # a plugin's fault: report, move on, recompute, run the step again
+                    if not self.failover_enabled:
+                        raise
                     self._failover(target, f"{type(exc).__name__}: {exc}")
 
     def _compiled_step(self, target: Target, cache: PagedKVCache, chunks: list[SeqChunk],
@@ -134,7 +163,10 @@ class DecoderRunner:
         label, kv = cache.device_kv  # type: ignore[attr-defined]
         if label != target.label:
             raise RuntimeError(f"cache belongs to {label}, not {target.label}")
-        batch = build_batch(cache, chunks, exit_layer)
+        batch: Any = build_seq_batch(cache, kv, chunks, exit_layer) if target.keeps_kv else build_batch(
+            cache, chunks, exit_layer)
+        if target.keeps_kv:
+            kv = kv.store
         if self.step_timeout_s is None:
             raw = target.compiled.step(kv, batch)
         else:
@@ -153,6 +185,8 @@ class DecoderRunner:
         self._record(cache, chunks)
         for ch in chunks:
             cache.set_len(ch.seq_id, cache.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
+        if target.keeps_kv:
+            cache.device_kv[1].advanced(chunks, cache)  # type: ignore[attr-defined]
         return split_logits(chunks, logits)  # type: ignore[return-value]
 
     @staticmethod
@@ -176,8 +210,13 @@ class DecoderRunner:
         if self.host is not None and plugin is not None:
             self.host.charge(plugin, "decoder.step", reason, device=device)
         self.failovers.append({"from": failed.label, "to": nxt.label, "reason": reason, "time": time.time()})
-        self.current = nxt
         t0 = time.perf_counter()
+        if nxt.is_reference and getattr(self.reference, "is_weightless", False):
+            if self.reference_loader is None:
+                raise RuntimeError(f"{failed.label} failed ({reason}) and the torch runner has no weights to run")
+            self.reference = self.reference_loader()  # held once more only now that it must run
+            log.info("llm.decoder.reference_loaded", ms=round((time.perf_counter() - t0) * 1e3, 1))
+        self.current = nxt
         seqs = sum(self._rebuild(c, nxt) for c in list(self._caches))
         log.info("llm.decoder.recomputed", target=nxt.label, sequences=seqs,
                  ms=round((time.perf_counter() - t0) * 1e3, 1))
@@ -193,7 +232,7 @@ class DecoderRunner:
             cache.v = [torch.zeros(shape, dtype=self.reference.dtype) for _ in range(c.num_hidden_layers)]
             cache.device_kv = (target.label, None)  # type: ignore[attr-defined]
         else:
-            cache.device_kv = (target.label, target.compiled.allocate(cache.allocator.num_pages))  # type: ignore[attr-defined]
+            cache.device_kv = (target.label, self._allocate(target, cache.allocator.num_pages, cache.page_size))  # type: ignore[attr-defined]
         lens = dict(cache.seq_lens)
         rebuilt = 0
         for seq_id, n in lens.items():

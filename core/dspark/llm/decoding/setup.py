@@ -22,9 +22,14 @@ def why_torch_only(engine: LLMEngine) -> str | None:
         return "devices= places the torch runner's layers itself"
     if engine.dense_offload is not None:
         return "dense_offload runs the torch runner's MLP elsewhere"
-    if engine.gguf is not None and engine.quant_plan is not None:
-        return "a quantized GGUF file runs on the torch runner's int8 kernels (its float weights are not kept)"
     return None
+
+
+def _stored(engine: LLMEngine) -> bool:
+    """A quantized GGUF file: only a decoder that runs it as stored may bid (its float weights are not kept)."""
+    from dspark.llm.gguf import is_quantized
+
+    return engine.gguf is not None and is_quantized(engine.gguf)
 
 
 def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
@@ -33,6 +38,8 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
     from dspark.llm.runner.packed_linear import pack_runner
 
     cfg = engine.config
+    if getattr(engine.runner, "is_weightless", False):
+        return _setup_stored(engine)
     packed = pack_runner(engine.runner, cfg.packed_linear)  # after quantization: float ones only
     why = why_torch_only(engine)
     if why is not None:
@@ -43,12 +50,13 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
 
     plan = engine.quant_plan
     quant = None
-    if plan is not None:
+    stored = _stored(engine)
+    if plan is not None and not stored:
         from dspark.llm.quantization.apply import spec_for
 
         quant = {lp.name: spec_for(lp) for lp in plan.layers if lp.precision != "float"}
     engine.runner, choice = choose_decoder(engine.runner, engine.model_path, cfg, host=engine.plugin_host,
-                                           inv=engine.inventory, quantization=quant)
+                                           inv=engine.inventory, quantization=quant, stored=stored)
     page = getattr(engine.runner, "block_size", None) or cfg.page_size
     return packed, choice, page
 
@@ -62,3 +70,20 @@ def place_other(engine: LLMEngine, runner: Any, path: Any, max_total_tokens: int
 
     cfg = engine.config.model_copy(update={"max_total_tokens": max_total_tokens})
     return choose_decoder(runner, path, cfg, host=engine.plugin_host, inv=engine.inventory)
+
+
+def _setup_stored(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
+    """A quantized GGUF file started without torch weights: a decoder that runs it as stored holds them once
+    (the torch runner stays the fallback, loaded from the file if it must run); if none does, the torch
+    runner loads now and the engine starts as usual."""
+    from dspark.llm.decoding.choose import choose_decoder
+    from dspark.llm.runner.packed_linear import pack_runner
+
+    cfg = engine.config
+    runner, choice = choose_decoder(engine.runner, engine.model_path, cfg, host=engine.plugin_host,
+                                    inv=engine.inventory, stored=True, load_reference=engine.load_torch_runner)
+    if runner is engine.runner:  # nothing runs the file as stored
+        engine.runner = engine.load_torch_runner()
+        return pack_runner(engine.runner, cfg.packed_linear), choice, cfg.page_size
+    engine.runner = runner
+    return None, choice, getattr(runner, "block_size", None) or cfg.page_size

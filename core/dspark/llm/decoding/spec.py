@@ -88,7 +88,7 @@ def float_runner(path: Path, dtype: torch.dtype) -> ModelRunner:
 
 def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None = None,
               max_num_tokens: int = 512, max_num_seqs: int = 256,
-              quantization: dict[str, QuantSpec] | None = None) -> DecoderSpec:
+              quantization: dict[str, QuantSpec] | None = None, extra_features: frozenset[str] = frozenset()) -> DecoderSpec:
     c = runner.cfg
     rope = runner.ropes[0]
     source: list[ModelRunner] = []
@@ -109,7 +109,7 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         architecture=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, features=features(runner),
+        max_position_embeddings=c.max_position_embeddings, features=features(runner) | extra_features,
         dtype=str(runner.dtype).removeprefix("torch."), layers=layers or (0, c.num_hidden_layers),
         exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
         max_num_tokens=max_num_tokens,

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
     from dspark.llm.runner.quant_plan import QuantPlan
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "is_gguf", "load_gguf",
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "is_gguf", "is_quantized", "load_gguf",
            "load_runner", "read_tokenizer_config", "write_checkpoint"]
+FLOAT_TYPES = ("F32", "F16", "BF16")
 SOURCE_FILE = "dspark_gguf_source.json"  # what write_checkpoint records about the file it came from
 
 
@@ -56,11 +57,12 @@ class GGUFModel:
         self.plan, self.decisions = plan_for(runner, self.stored, self.path.name)
 
 
-def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto") -> GGUFModel:
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: bool = True) -> GGUFModel:
     """Read a GGUF file: config, tokenizer and every tensor (float, cast to ``dtype``; "stored" = the file's
-    float type, float32 when anything is quantized)."""
+    float type, float32 when anything is quantized). ``tensors=False``: metadata, config, tokenizer and each
+    tensor's storage type only (nothing dequantized; ``weights`` stays empty)."""
     from dspark.llm.gguf.metadata import open_reader, read_metadata, to_config
-    from dspark.llm.gguf.tensors import ROPE_FREQS, load_tensors, read_tensor, shapes
+    from dspark.llm.gguf.tensors import ROPE_FREQS, load_tensors, read_tensor, shapes, stored_types
     from dspark.llm.gguf.tokenizer import build_tokenizer, tokenizer_config
     from dspark.llm.runner.loader import check_shapes, parse_config, resolve_dtype
 
@@ -71,19 +73,34 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto") -> GGUFModel:
     raw = to_config(md, shapes(reader), p, rope_freqs)
     cfg = parse_config(raw, str(p))
     tdtype = resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
-    weights, stored = load_tensors(reader, raw, p, tdtype)
-    check_shapes(cfg, weights, p)
+    if tensors:
+        weights, stored = load_tensors(reader, raw, p, tdtype)
+        check_shapes(cfg, weights, p)
+    else:
+        weights, stored = {}, stored_types(reader)
     return GGUFModel(path=p, raw_config=raw, cfg=cfg, weights=weights, stored=stored,
                      tokenizer=build_tokenizer(md, p), tokenizer_config=tokenizer_config(md))
 
 
-def load_runner(path: str | Path, dtype: str | torch.dtype = "auto") -> tuple[ModelRunner, GGUFModel | None]:
-    """The runner for a checkpoint directory or a GGUF file (with what the file holds, for the engine)."""
+def is_quantized(g: GGUFModel) -> bool:
+    """The file stores some tensor in a block-quantized type (Q4_K, Q8_0, ...)."""
+    return any(s.ggml_type not in FLOAT_TYPES for s in g.stored.values())
+
+
+def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
+                weightless_if_quantized: bool = False) -> tuple[ModelRunner, GGUFModel | None]:
+    """The runner for a checkpoint directory or a GGUF file (with what the file holds, for the engine).
+    ``weightless_if_quantized``: for a quantized GGUF file, a runner without weights
+    (:meth:`ModelRunner.weightless`): a decoder that runs the file as stored may make the torch copy needless."""
     from dspark.llm.runner.loader import resolve_dtype
     from dspark.llm.runner.model import ModelRunner
 
     if not is_gguf(path):
         return ModelRunner.from_pretrained(str(path), dtype), None
+    if weightless_if_quantized:
+        g = load_gguf(path, dtype, tensors=False)
+        if is_quantized(g):
+            return ModelRunner.weightless(g.cfg, resolve_dtype(dtype, g.cfg)), g
     g = load_gguf(path, dtype)
     runner = ModelRunner(g.cfg, g.weights, resolve_dtype(dtype, g.cfg))
     g.weights = {}  # the runner holds its own (stacked) copies

@@ -89,6 +89,16 @@ def read_tensor(t: Any, path: Path) -> np.ndarray:
                         "dequantize") from e
 
 
+def stored_types(reader: Any) -> dict[str, StoredTensor]:
+    """How each tensor the runner would read is stored, from the header alone (nothing read or dequantized)."""
+    out = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is not None:
+            out[name] = StoredTensor(t.name, t.tensor_type.name)
+    return out
+
+
 def load_tensors(reader: Any, raw: dict[str, Any], path: Path,
                  tdtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, StoredTensor]]:
     """Every tensor the runner reads, by its Hugging Face name, cast to ``tdtype``; and how each was stored."""

@@ -234,6 +234,21 @@ class ModelRunner:
         return total
 
     @classmethod
+    def weightless(cls, cfg: ModelConfig, dtype: torch.dtype) -> ModelRunner:
+        """The config's runner without weights: what a decoder that reads the model file itself needs of it
+        (config, dtype, RoPE, windows). It cannot step; ``is_weightless`` says so."""
+        self = cls.__new__(cls)
+        self.cfg, self.dtype = cfg, dtype
+        self._family(cfg, dtype)
+        self.layers = []
+        self.layer_devices, self.mlp_offload, self.f_head, self.embed_q, self.p_head = None, None, None, None, None
+        self.attention = "auto"
+        self.is_weightless = True
+        return self
+
+    is_weightless = False
+
+    @classmethod
     def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
         cfg, weights = load_checkpoint(path, dtype)
         return cls(cfg, weights, resolve_dtype(dtype, cfg))

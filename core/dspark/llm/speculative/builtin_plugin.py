@@ -46,7 +46,7 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
                                int(props.get("max_total_tokens", 8192)), int(props.get("page_size", 16)),
                                target.runtime)))
     rt = target.runtime
-    if rt is not None and target.num_layers >= 2:
+    if rt is not None and target.num_layers >= 2 and props.get("runs_early_exit", True):
         exits = [int(e) for e in props.get("early_exit_layers", []) or []]
         fixed = props.get("exit_layer", "auto")
         cands = sorted(set(exits) | set(range(1, max(2, target.num_layers // 2 + 1))))

@@ -110,7 +110,9 @@ class SpecDecoder(Proposer, Learner, Calibration):
                         "dtype": str(runner.dtype).removeprefix("torch."),
                         "max_total_tokens": cache.allocator.num_pages * cache.page_size
                         + max_batch_size * (cfg.max_k + 1),
-                        "page_size": cache.page_size},
+                        "page_size": cache.page_size,
+                        # a compiled decoder that runs no early exit (a whole-model runtime) gets no self-draft
+                        "runs_early_exit": getattr(getattr(runner, "current", None), "exit_layers", True)},
             runtime=runtime)
         from dspark.llm.speculative.offers import collect_drafters
 

@@ -1,0 +1,161 @@
+"""dspark-plugin-llamacpp: llama.cpp as a whole-model decoder that keeps its own KV per sequence.
+
+Shipped as its own distribution, as a third party would ship it, through the plugin API alone
+(API 1.8's ``kv="sequence"`` decoders). It bids on GGUF files as they are stored (every type
+llama.cpp runs: Q4_K_M, Q5_K, Q6_K, Q8_0, F16, BF16, ...) and on Hugging Face Llama checkpoints,
+which it writes once as a GGUF file of the engine's dtype (convert.py); anything else is declined
+with the reason. The engine times it beside the other decoders and runs whichever is fastest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark import hookimpl
+from dspark.sdk import cache, get_logger, hostinfo
+from dspark.sdk.decoder import DecoderSpec, SeqBatch
+from dspark.types import DecoderBid, Device, Unavailable
+
+__version__ = "0.1.0"
+DSPARK_API_VERSION = "1.8"
+
+log = get_logger("dspark_llamacpp")
+MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
+_models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_models_lock = threading.Lock()
+
+
+def _runtime() -> Any:
+    from dspark_llamacpp import runtime
+
+    return runtime
+
+
+@hookimpl
+def dspark_probe_devices(refresh: bool) -> list[Device | Unavailable]:
+    try:
+        rt = _runtime()
+    except Exception as exc:  # the binding is not installed or its library does not load on this machine
+        return [Unavailable(what="llama.cpp", reason=f"llama-cpp-python does not import: {type(exc).__name__}: {exc}")]
+    info = hostinfo.cpu_static()
+    total, free = hostinfo.memory()
+    return [Device(id="cpu", kind="cpu", name=info["model"], runtime=rt.version(), memory_total_bytes=total,
+                   memory_free_bytes=free, dtypes=["float32", "bfloat16", "float16"],
+                   properties={"system_info": rt.system_info()})]
+
+
+def _is_gguf(path: str) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _stored_types(path: str) -> dict[str, int]:
+    """Tensors per storage type in a GGUF file (read from its header)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    out: dict[str, int] = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _kv_bytes_per_token(spec: DecoderSpec) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32 K and V
+
+
+@hookimpl
+def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | None:
+    if device.kind != "cpu":
+        return None
+    base: dict[str, Any] = {"device_id": device.id, "runtime": device.runtime, "kv": "sequence",
+                            "max_seqs": MAX_SEQS, "kv_dtype": "float32", "exit_layers": False}
+    if decoder.layers != (0, decoder.num_layers):
+        return DecoderBid(**base, declined="llama.cpp runs whole models, not layer ranges")
+    if _is_gguf(decoder.path):
+        types = _stored_types(decoder.path)
+        stored = ", ".join(f"{k} x{v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
+        return DecoderBid(**base, precision="as stored", weight_bytes=Path(decoder.path).stat().st_size,
+                          kv_bytes_per_token=_kv_bytes_per_token(decoder), note=f"GGUF as stored: {stored}")
+    from dspark_llamacpp import convert
+
+    why = convert.why_not(decoder)
+    if why:
+        return DecoderBid(**base, declined=why)
+    per = {"float32": 4, "bfloat16": 2, "float16": 2}[decoder.dtype]
+    params = decoder.vocab_size * decoder.hidden_size * 2 + decoder.num_layers * (
+        decoder.hidden_size * (decoder.num_heads + 2 * decoder.num_kv_heads) * decoder.head_dim
+        + decoder.num_heads * decoder.head_dim * decoder.hidden_size + 3 * decoder.hidden_size * decoder.intermediate_size)
+    return DecoderBid(**base, precision=decoder.dtype, weight_bytes=params * per,
+                      kv_bytes_per_token=_kv_bytes_per_token(decoder),
+                      note=f"written once as a {decoder.dtype} GGUF file (cached)")
+
+
+def gguf_for(spec: DecoderSpec) -> Path:
+    """The GGUF file llama.cpp loads for ``spec``: the file itself, or the checkpoint written once (cached)."""
+    if _is_gguf(spec.path):
+        return Path(spec.path)
+    from dspark_llamacpp import convert
+
+    out = cache.cache_dir() / "llamacpp-gguf" / f"{spec.fingerprint}-{spec.dtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("llamacpp.convert", model=spec.path, out=str(out))
+        convert.write(spec, out)
+    return out
+
+
+def load_model(path: Path) -> Any:
+    """One loaded model per file in this process (the engine compiles a spec more than once)."""
+    key = str(path.resolve())
+    with _models_lock:
+        m = _models.get(key)
+        if m is None:
+            m = _runtime().Model(key)
+            _models[key] = m
+        return m
+
+
+class LlamaDecoder:
+    """A compiled decoder in API 1.8's sequence mode: each KV store is a llama.cpp context."""
+
+    kv_mode = "sequence"
+
+    def __init__(self, model: Any, spec: DecoderSpec) -> None:
+        self.model = model
+        self.threads = spec.threads or os.cpu_count() or 1
+        self.n_batch = max(64, min(spec.max_num_tokens, 4096))
+        self.vocab = spec.vocab_size
+        if model.n_vocab < spec.vocab_size:
+            raise ValueError(f"{model.path}: llama.cpp reads {model.n_vocab} tokens, the model has {spec.vocab_size}")
+
+    def allocate(self, num_tokens: int, max_seqs: int) -> Any:
+        if max_seqs > MAX_SEQS:
+            raise ValueError(f"llama.cpp holds at most {MAX_SEQS} sequences per context, {max_seqs} asked")
+        return _runtime().Context(self.model, n_ctx=num_tokens, n_seq_max=max_seqs, n_batch=self.n_batch,
+                                  threads=self.threads)
+
+    def step(self, kv: Any, batch: SeqBatch) -> np.ndarray:
+        if batch.exit_layer is not None:
+            raise NotImplementedError("llama.cpp runs no early exit")
+        for seq, first in batch.drops:
+            kv.drop(seq, first)
+        want = np.zeros(batch.num_tokens, np.int8)
+        want[batch.logit_rows] = 1
+        logits: np.ndarray = kv.decode(batch.seq_ids, batch.input_ids, batch.positions, want)
+        return logits[:, : self.vocab] if logits.shape[1] != self.vocab else logits
+
+
+@hookimpl
+def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> LlamaDecoder | None:
+    return LlamaDecoder(load_model(gguf_for(decoder)), decoder)

@@ -1,0 +1,215 @@
+"""llama.cpp through its C API (llama-cpp-python's ctypes bindings): a model loaded once, contexts over it.
+
+A :class:`Context` is one KV store: a llama.cpp context with a unified KV cache of ``n_ctx`` cells
+shared by up to ``n_seq_max`` sequences. :meth:`Context.step` runs one engine step: drop what the
+engine dropped (``llama_memory_seq_rm``), then one ``llama_decode`` per ``n_batch`` rows (more rows
+than ``n_batch`` in one call aborts the process), logits read for the flagged rows only.
+
+The batch is our own ``llama_batch`` over numpy arrays allocated once per context: each row's
+``seq_id`` pointer points into one int32 array, so a step fills arrays instead of looping in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# OpenMP's worker threads spin after each parallel region by default; beside the engine's own threads
+# (torch samples on the same cores) that spin starves them. Must be set before libgomp loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from llama_cpp import llama_cpp as C  # noqa: E402
+
+_lock = threading.Lock()
+_ready = False
+_LOG_CB: Any = None  # kept alive: llama.cpp calls it from C
+
+# What the runtime's log says about a load that failed, kept for the error message.
+_last_errors: list[str] = []
+
+
+def init() -> None:
+    """Initialise the backend once, with llama.cpp's log routed to a short buffer (no progress dots)."""
+    global _ready, _LOG_CB
+    with _lock:
+        if _ready:
+            return
+
+        @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+        def _log(level: int, text: bytes, _user: Any) -> None:
+            if level not in (3, 4) or not text:  # GGML_LOG_LEVEL_WARN, _ERROR; debug, info and CONT dropped
+                return
+            _last_errors.append(text.decode(errors="replace").strip())
+            del _last_errors[:-20]
+
+        _LOG_CB = _log
+        C.llama_log_set(_LOG_CB, None)
+        C.llama_backend_init()
+        _ready = True
+
+
+def version() -> str:
+    import llama_cpp
+
+    return f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
+
+
+def system_info() -> str:
+    init()
+    raw: bytes = C.llama_print_system_info()
+    return raw.decode().strip()
+
+
+class LlamaError(RuntimeError):
+    pass
+
+
+class Model:
+    """A GGUF file loaded once (memory-mapped: the weights stay in the file's own types)."""
+
+    def __init__(self, path: str | Path) -> None:
+        init()
+        self.path = str(path)
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = 0
+        # The extra CPU buffer types (repacked weights, AMX) hold a second, repacked copy of the weights;
+        # keep the file's layout so the weights are held once (and see docs/benchmarks.md for speed).
+        params.use_extra_bufts = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS", "0") == "1"
+        _last_errors.clear()
+        ptr = C.llama_model_load_from_file(self.path.encode(), params)
+        if not ptr:
+            why = "; ".join(_last_errors[-3:]) or "llama.cpp could not load it"
+            raise LlamaError(f"{self.path}: {why}")
+        self.ptr = ptr
+        vocab = C.llama_model_get_vocab(ptr)
+        self.n_vocab = int(C.llama_vocab_n_tokens(vocab))
+        self.size_bytes = int(C.llama_model_size(ptr))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            C.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+class Context:
+    """One KV store over a :class:`Model`: ``n_ctx`` cells for up to ``n_seq_max`` sequences."""
+
+    def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int, threads: int,
+                 kv_type: int = C.GGML_TYPE_F32, flash_attn: bool = False) -> None:
+        self.model = model  # keeps the model alive as long as a context uses it
+        p = C.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = min(n_batch, 512)
+        p.n_seq_max = n_seq_max
+        p.kv_unified = True
+        p.n_threads = p.n_threads_batch = threads
+        p.type_k = p.type_v = kv_type
+        p.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.no_perf = True
+        _last_errors.clear()
+        ctx = C.llama_init_from_model(model.ptr, p)
+        if not ctx:
+            why = "; ".join(_last_errors[-3:]) or "llama_init_from_model returned NULL"
+            raise LlamaError(f"a context of {n_ctx} tokens x {n_seq_max} sequences: {why}")
+        self.ptr = ctx
+        self.mem = C.llama_get_memory(ctx)
+        self.n_ctx = int(C.llama_n_ctx(ctx))
+        self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+        self.n_vocab = model.n_vocab
+        # The batch: numpy arrays behind a llama_batch struct, allocated once.
+        self._token = np.zeros(n_batch, np.int32)
+        self._pos = np.zeros(n_batch, np.int32)
+        self._nseq = np.ones(n_batch, np.int32)
+        self._seq = np.zeros(n_batch, np.int32)
+        self._logits = np.zeros(n_batch, np.int8)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * n_batch)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(n_batch)])
+        b = C.llama_batch()
+        b.token = self._token.ctypes.data_as(ctypes.POINTER(C.llama_token))
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(C.llama_pos))
+        b.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(C.llama_seq_id)))
+        b.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+        self.slots: dict[int, int] = {}  # the engine's sequence id -> llama.cpp sequence id
+        self._free = list(range(n_seq_max - 1, -1, -1))
+
+    def drop(self, seq: int, first: int) -> None:
+        slot = self.slots.get(seq)
+        if slot is None:
+            return
+        if not C.llama_memory_seq_rm(self.mem, slot, first, -1):
+            raise LlamaError(f"llama_memory_seq_rm refused to drop sequence {seq} from position {first}")
+        if first == 0:
+            del self.slots[seq]
+            self._free.append(slot)
+
+    def slot(self, seq: int) -> int:
+        s = self.slots.get(seq)
+        if s is None:
+            if not self._free:
+                raise LlamaError(f"more than {self.n_seq_max} live sequences")
+            s = self.slots[seq] = self._free.pop()
+        return s
+
+    def decode(self, seqs: np.ndarray, tokens: np.ndarray, positions: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """Rows of any sequences; returns float32 logits of the rows flagged in ``want`` (bool), in order."""
+        n = len(tokens)
+        slots = np.fromiter((self.slot(int(s)) for s in seqs), np.int32, n) if n else np.zeros(0, np.int32)
+        parts = []
+        for a in range(0, n, self.n_batch):
+            b = min(n, a + self.n_batch)
+            m = b - a
+            self._token[:m] = tokens[a:b]
+            self._pos[:m] = positions[a:b]
+            self._seq[:m] = slots[a:b]
+            self._logits[:m] = want[a:b]
+            self._batch.n_tokens = m
+            rc = C.llama_decode(self.ptr, self._batch)
+            if rc != 0:
+                what = "no free KV cells" if rc == 1 else f"llama_decode returned {rc}"
+                raise LlamaError(f"{what} ({m} rows, {len(self.slots)} sequences, n_ctx {self.n_ctx})")
+            r = int(want[a:b].sum())
+            if r:
+                ptr = C.llama_get_logits(self.ptr)
+                parts.append(np.ctypeslib.as_array(ptr, shape=(r, self.n_vocab)).copy())
+        if not parts:
+            return np.zeros((0, self.n_vocab), np.float32)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            C.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def quantize(src: str | Path, dst: str | Path, ftype: str, threads: int = 0) -> None:
+    """llama.cpp's own quantizer: ``ftype`` is a llama_ftype name without its prefix ('Q4_K_M', 'Q8_0')."""
+    init()
+    params = C.llama_model_quantize_default_params()
+    params.ftype = getattr(C, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise LlamaError(f"llama_model_quantize {src} -> {ftype} failed ({rc}): " + "; ".join(_last_errors[-3:]))

@@ -1,0 +1,157 @@
+"""The plugin's own checks, on a tiny random Llama written as a GGUF file with the gguf package.
+
+What the engine relies on: rows of several sequences in one step, logits of any rows, positions dropped
+and decoded again with bit-identical logits, steps wider than ``n_batch`` split, and bids that say what
+runs and why not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dspark_llamacpp as plugin
+from dspark.sdk.decoder import DecoderSpec, SeqBatch
+from dspark.types import Device
+from dspark_llamacpp import runtime
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF = 96, 64, 2, 4, 2, 128
+
+
+def _tiny_gguf(path: Path) -> Path:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    w.add_token_merges(["t 1"])  # llama.cpp requires merges for a gpt2 vocabulary
+    hd = HIDDEN // HEADS
+
+    def t(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    t("token_embd.weight", VOCAB, HIDDEN)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(LAYERS):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        t(f"blk.{i}.attn_q.weight", HEADS * hd, HIDDEN)
+        t(f"blk.{i}.attn_k.weight", KV_HEADS * hd, HIDDEN)
+        t(f"blk.{i}.attn_v.weight", KV_HEADS * hd, HIDDEN)
+        t(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * hd)
+        t(f"blk.{i}.ffn_gate.weight", FF, HIDDEN)
+        t(f"blk.{i}.ffn_up.weight", FF, HIDDEN)
+        t(f"blk.{i}.ffn_down.weight", HIDDEN, FF)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf")
+
+
+def _spec(path: Path, layers: tuple[int, int] = (0, LAYERS)) -> DecoderSpec:
+    return DecoderSpec(name=path.name, path=str(path), fingerprint="tiny", architecture="llama", vocab_size=VOCAB,
+                       hidden_size=HIDDEN, intermediate_size=FF, num_layers=LAYERS, num_heads=HEADS,
+                       num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-5, max_position_embeddings=256,
+                       features=frozenset(), dtype="float32", layers=layers, threads=1, max_num_tokens=64)
+
+
+def _device() -> Device:
+    devices = plugin.dspark_probe_devices(False)
+    dev = devices[0]
+    assert isinstance(dev, Device), devices
+    return dev
+
+
+def _want(n: int, rows: list[int]) -> np.ndarray:
+    out = np.zeros(n, np.int8)
+    out[rows] = 1
+    return out
+
+
+def test_rows_of_several_sequences_in_one_step_match_decoding_each_alone(gguf_file: Path) -> None:
+    model = runtime.Model(gguf_file)
+    a, b = [3, 17, 42, 8, 9], [50, 51]
+    alone = []
+    for toks in (a, b):
+        ctx = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
+        alone.append(ctx.decode(np.zeros(len(toks)), np.asarray(toks), np.arange(len(toks)), _want(len(toks), [len(toks) - 1])))
+    ctx = runtime.Context(model, n_ctx=64, n_seq_max=2, n_batch=16, threads=1)
+    together = ctx.decode(np.asarray([0] * 5 + [1] * 2), np.asarray(a + b), np.asarray([*range(5), *range(2)]),
+                          _want(7, [4, 6]))
+    assert together.shape == (2, VOCAB)
+    np.testing.assert_allclose(together[0], alone[0][0], atol=1e-4)
+    np.testing.assert_allclose(together[1], alone[1][0], atol=1e-4)
+
+
+def test_dropped_positions_decode_again_to_the_same_logits(gguf_file: Path) -> None:
+    ctx = runtime.Context(runtime.Model(gguf_file), n_ctx=64, n_seq_max=2, n_batch=8, threads=1)
+    toks = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # wider than n_batch: two llama_decode calls
+    first = ctx.decode(np.zeros(12), np.asarray(toks), np.arange(12), np.ones(12, np.int8))
+    assert first.shape == (12, VOCAB)
+    ctx.drop(0, 9)  # a rejected draft: positions 9.. go
+    again = ctx.decode(np.zeros(3), np.asarray(toks[9:]), np.arange(9, 12), np.ones(3, np.int8))
+    np.testing.assert_array_equal(again, first[9:])
+    ctx.drop(0, 0)  # the sequence is gone; its slot serves a new one
+    assert ctx.slots == {}
+
+
+def test_more_sequences_than_the_context_holds_is_an_error_not_a_crash(gguf_file: Path) -> None:
+    ctx = runtime.Context(runtime.Model(gguf_file), n_ctx=64, n_seq_max=2, n_batch=8, threads=1)
+    with pytest.raises(runtime.LlamaError, match="more than 2 live sequences"):
+        ctx.decode(np.asarray([0, 1, 2]), np.asarray([1, 2, 3]), np.zeros(3), np.ones(3, np.int8))
+
+
+def test_a_file_llamacpp_cannot_load_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(runtime.LlamaError, match="broken.gguf"):
+        runtime.Model(bad)
+
+
+def test_bids_on_a_gguf_file_as_stored_and_declines_ranges(gguf_file: Path) -> None:
+    dev = _device()
+    bid = plugin.dspark_decoder_bid(_spec(gguf_file), dev)
+    assert bid is not None and bid.declined is None and bid.kv == "sequence"
+    assert bid.note.startswith("GGUF as stored: F32") and bid.weight_bytes == gguf_file.stat().st_size
+    part = plugin.dspark_decoder_bid(_spec(gguf_file, (0, 1)), dev)
+    assert part is not None and part.declined and "whole models" in part.declined
+    nothing = plugin.dspark_decoder_bid(_spec(gguf_file.parent / "missing"), dev)
+    assert nothing is not None and nothing.declined and "config.json" in nothing.declined
+
+
+def test_the_compiled_decoder_applies_drops_then_rows(gguf_file: Path) -> None:
+    dec = plugin.dspark_compile_decoder(_spec(gguf_file), _device())
+    assert dec is not None and dec.kv_mode == "sequence"
+    kv = dec.allocate(128, 4)
+
+    def step(seqs: list[int], toks: list[int], pos: list[int], rows: list[int],
+             drops: list[tuple[int, int]] | None = None) -> np.ndarray:
+        return np.asarray(dec.step(kv, SeqBatch(seq_ids=np.asarray(seqs), input_ids=np.asarray(toks),
+                                                positions=np.asarray(pos), logit_rows=np.asarray(rows),
+                                                drops=drops or [])))
+
+    out = step([7, 7, 7, 9], [1, 2, 3, 4], [0, 1, 2, 0], [2, 3])
+    assert out.shape == (2, VOCAB)
+    again = step([7], [3], [2], [0], drops=[(7, 2), (9, 0)])  # roll 7 back one position; 9 is gone
+    np.testing.assert_allclose(again[0], out[0], atol=1e-4)  # a 1-row step rounds unlike a 4-row one
+    assert set(kv.slots) == {7}

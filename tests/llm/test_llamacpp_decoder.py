@@ -1,0 +1,273 @@
+"""The engine on llama.cpp (plugins/dspark-llamacpp): a decoder that keeps its own KV per sequence (API 1.8).
+
+Every engine feature runs on it unchanged and gives the torch runner's greedy tokens in float32 (f32 KV,
+flash attention off: logits within float rounding); GGUF files run as stored, with greedy tokens identical
+to llama.cpp driven alone; what it cannot run is declined with the reason. Which runtime measures
+fastest is left to benchmarks/vs_llamacpp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dspark.hookspecs import hookimpl
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.llm.engine import LLMEngine
+from dspark.llm.sampling import GuidedSpec, SamplingParams
+
+dspark_llamacpp = pytest.importorskip("dspark_llamacpp", reason="the llamacpp plugin is not installed (scripts/setup.sh)")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+from dspark_llamacpp import runtime as lrt  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
+           "for i in range(10):\n    print(i)\nfor j in range(", "# a long comment " * 6]
+
+
+def _run(engine: LLMEngine, params: list[SamplingParams], prios: list[int] | None = None) -> dict[str, Any]:
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), p, sp, priority=(prios or [0] * len(PROMPTS))[i])
+    out: dict[str, Any] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+    assert engine.cache.all_free()
+    return out
+
+
+def _engine(decoder: str, model: Path | str = MODEL, **kw: Any) -> LLMEngine:
+    return LLMEngine(model, dtype="float32", decoder=decoder, **kw)
+
+
+def _greedy(n: int = 24) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
+
+
+def _tokens(out: dict[str, Any]) -> dict[str, list[int]]:
+    return {k: o.token_ids for k, o in out.items()}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The embedded model as GGUF files: F32 written by the plugin, Q8_0 and Q4_K_M by llama.cpp's quantizer."""
+    e = _engine("llamacpp", max_batch_size=4)  # compiling writes the checkpoint's GGUF once (cached)
+    assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
+    spec = e.runner.current.compiled  # the compiled decoder holds the model it loaded
+    d = tmp_path_factory.mktemp("gguf")
+    out = {"f32": d / "stdlib-llama-f32.gguf"}
+    out["f32"].write_bytes(Path(spec.model.path).read_bytes())
+    for t in ("Q8_0", "Q4_K_M"):
+        out[t.lower()] = d / f"stdlib-llama-{t.lower()}.gguf"
+        lrt.quantize(out["f32"], out[t.lower()], t)
+    return out
+
+
+def test_batching_chunked_prefill_preemption_priorities_match_torch() -> None:
+    # 16-token prefill chunks, 5 sequences over 4 batch slots, a KV budget that forces preemption by recompute:
+    # llama.cpp is told to drop each preempted sequence and starts it again from position 0.
+    kw = dict(max_batch_size=4, max_num_batched_tokens=16, max_total_tokens=96, priority_preemption=True)
+    prios = [1, 0, 2, 0, 1]
+    ref = _run(_engine("torch", **kw), _greedy(), prios)
+    e = _engine("llamacpp", **kw)
+    assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
+    got = _run(e, _greedy(), prios)
+    assert _tokens(got) == _tokens(ref)
+    assert e.stats().num_preemptions > 0
+    assert e.runner.failovers == []
+
+
+@pytest.mark.parametrize("spec", [{"enabled": True},
+                                  {"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 4}],
+                         ids=["deepspec", "prompt-lookup"])
+def test_speculative_decoding_on_llamacpp_is_lossless(spec: dict[str, Any]) -> None:
+    # Verified drafts ask every row's logits; rejected ones are dropped from llama.cpp's cache.
+    ref = _run(_engine("torch"), _greedy(32))
+    e = _engine("llamacpp", speculative_decoding=spec)
+    got = _run(e, _greedy(32))
+    assert _tokens(got) == _tokens(ref)
+    s = e.stats()
+    assert s.decoder == "llamacpp@cpu" and s.spec_drafts > 0 and s.spec_accepted_tokens > 0
+    assert s.spec_draft_tokens > s.spec_accepted_tokens  # some drafts were rejected and rolled back
+    assert s.spec_drafter_failures == 0 and "self-draft" not in s.spec_drafters  # no early exit on llama.cpp
+    assert e.runner.failovers == []
+
+
+def test_logprobs_sampling_penalties_and_structured_output_on_llamacpp() -> None:
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=7, logprobs=2, prompt_logprobs=1),
+              SamplingParams(max_tokens=10, temperature=0, presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(max_tokens=8, guided=GuidedSpec(kind="regex", value="[a-c]{2,4}")),
+              SamplingParams(max_tokens=12, guided=GuidedSpec(kind="json_object"), temperature=0),
+              SamplingParams(max_tokens=6, guided=GuidedSpec(kind="choice", value=json.dumps(["yes", "no"])))]
+    ref = _run(_engine("torch"), params)
+    got = _run(_engine("llamacpp"), params)
+    assert _tokens(got) == _tokens(ref)
+    a = np.array([lp.logprob for lp in got["0"].logprobs])
+    b = np.array([lp.logprob for lp in ref["0"].logprobs])
+    assert np.abs(a - b).max() < 1e-3
+    assert len(got["0"].prompt_logprobs) == len(ref["0"].prompt_logprobs)
+    assert got["4"].text in ("yes", "no")
+
+
+class _Faulty:
+    """llama.cpp's decoder, failing at its ``fail_at``-th step (a runtime that dies while serving)."""
+
+    DSPARK_API_VERSION = "1.8"
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.steps = fail_at, 0
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"runtime": "faulty llama.cpp"}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return dspark_llamacpp.dspark_decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
+        plugin = self
+
+        class Faulty:
+            kv_mode = "sequence"
+
+            def allocate(self, n: int, seqs: int) -> Any:
+                return inner.allocate(n, seqs)
+
+            def step(self, kv: Any, batch: Any) -> Any:
+                plugin.steps += 1
+                if plugin.steps == plugin.fail_at:
+                    raise RuntimeError("llama.cpp aborted")
+                return inner.step(kv, batch)
+
+        return Faulty()
+
+
+def test_a_failing_llamacpp_decoder_moves_to_torch_and_loses_no_request() -> None:
+    ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
+    faulty = _Faulty(fail_at=20)  # the probe scenario takes 8 steps: this is mid-serving
+    host.register(faulty, "faulty")
+    host.load()
+    e = LLMEngine(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
+    assert e.stats().decoder == "faulty@cpu", e.decoder_choice
+    got = _run(e, _greedy(20))
+    assert _tokens(got) == _tokens(ref)
+    s = e.stats()
+    assert s.decoder == "torch" and s.decoder_failovers == 1
+    fault = host.last_fault("faulty")
+    assert fault is not None and fault.hook == "decoder.step" and "llama.cpp aborted" in fault.reason
+
+
+def _llamacpp_alone(path: Path, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from llama.cpp driven directly (one sequence, f32 KV), no engine."""
+    ctx = lrt.Context(lrt.Model(path), n_ctx=256, n_seq_max=1, n_batch=64, threads=2)
+    toks = list(prompt)
+    logits = ctx.decode(np.zeros(len(toks), np.int64), np.asarray(toks), np.arange(len(toks)),
+                        np.eye(1, len(toks), len(toks) - 1, dtype=np.int8)[0])
+    out = []
+    for _ in range(n):
+        t = int(logits[-1].argmax())
+        out.append(t)
+        logits = ctx.decode(np.zeros(1, np.int64), np.asarray([t]), np.asarray([len(toks)]), np.ones(1, np.int8))
+        toks.append(t)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_k_m"])
+def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict[str, Path], kind: str) -> None:
+    path = ggufs[kind]
+    e = LLMEngine(path, decoder="llamacpp", max_batch_size=4)
+    c = e.decoder_choice
+    assert c is not None and c.chosen == "llamacpp@cpu", c
+    note = next(r.get("note", "") for r in c.ranked if r["label"] == "llamacpp@cpu")
+    assert note.startswith("GGUF as stored:") and ("F32" in note if kind == "f32" else "Q8_0" in note), note
+    prompts = [e.encode(p) for p in PROMPTS[:3]]
+    for i, p in enumerate(prompts):
+        e.add_request(str(i), p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        got.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+    for i, p in enumerate(prompts):
+        assert got[str(i)] == _llamacpp_alone(path, p, 24), f"prompt {i}"
+
+
+def test_a_quantized_gguf_holds_its_weights_once_on_llamacpp(ggufs: dict[str, Path]) -> None:
+    # The engine starts the file without the torch runner's dequantized copy: llama.cpp holds the weights
+    # as stored; the torch runner is only the fallback, loaded from the file if it must run.
+    e = LLMEngine(ggufs["q4_k_m"], decoder="auto", max_batch_size=4)
+    assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
+    assert e.runner.reference.is_weightless and e.runner.reference.layers == []
+    assert e.decoder_choice is not None and "as stored" in e.decoder_choice.reason
+    assert e.load_seconds > 0
+
+
+def test_a_failing_decoder_on_a_stored_gguf_loads_the_torch_runner_and_loses_no_request(ggufs: dict[str, Path]) -> None:
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
+    faulty = _Faulty(fail_at=20)  # registered here only: its probe runs in this process (the reference loaded for it)
+    host.register(faulty, "faulty")
+    host.load()
+    e = LLMEngine(ggufs["q8_0"], decoder="faulty", max_batch_size=8, plugin_host=host)
+    assert e.stats().decoder == "faulty@cpu", e.decoder_choice
+    assert e.runner.reference.is_weightless
+    params = _greedy(20)
+    got = _run(e, params)
+    assert sorted(got) == [str(i) for i in range(len(PROMPTS))]
+    assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in got.values())
+    s = e.stats()
+    assert s.decoder == "torch" and s.decoder_failovers == 1
+    assert not getattr(e.runner.reference, "is_weightless", False) and e.runner.reference.layers  # loaded now
+
+
+def test_quantized_gguf_is_offered_only_to_decoders_that_run_it_as_stored(ggufs: dict[str, Path]) -> None:
+    e = LLMEngine(ggufs["q8_0"], decoder="auto", max_batch_size=4)
+    c = e.decoder_choice
+    assert c is not None
+    cpu = [d for d in c.declined if d["label"] == "cpu@cpu"]
+    assert cpu and "gguf_stored" in cpu[0]["reason"], c.declined  # OpenVINO's decoder would run float weights
+    assert "llamacpp@cpu" in [r["label"] for r in c.ranked]
+
+
+def test_what_llamacpp_cannot_run_is_declined_with_the_reason(checkpoint: Any) -> None:
+    # Qwen2's q/k/v biases are not written as a llama GGUF here: declined, and the engine runs the torch runner.
+    e = LLMEngine(checkpoint("qwen2"), dtype="float32", decoder="llamacpp")
+    c = e.decoder_choice
+    assert c is not None and c.chosen == "torch"
+    assert any(d["label"] == "llamacpp@cpu" and "qwen2" in d["reason"] for d in c.declined), c.declined
+
+
+def test_a_tiny_llama_checkpoint_is_written_as_gguf_and_matches_torch(checkpoint: Any) -> None:
+    path = checkpoint("llama")
+    prompts = [[5, 9, 13, 2, 7] * 3, [11, 3, 8]]
+    outs = []
+    for dec in ("torch", "llamacpp"):
+        e = LLMEngine(path, dtype="float32", decoder=dec, max_batch_size=4)
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        outs.append(out)
+        assert e.stats().decoder == ("torch" if dec == "torch" else "llamacpp@cpu"), e.decoder_choice
+    assert outs[0] == outs[1]
+
+
+def test_devices_decoders_lists_llamacpp(ggufs: dict[str, Path]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "devices", "--decoders", str(ggufs["q4_k_m"]),
+                           "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    text = json.dumps(data)
+    assert "llamacpp" in text and "GGUF as stored" in text, text[:2000]
