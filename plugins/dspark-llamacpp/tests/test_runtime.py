@@ -88,14 +88,15 @@ def _want(n: int, rows: list[int]) -> np.ndarray:
     return out
 
 
-def test_rows_of_several_sequences_in_one_step_match_decoding_each_alone(gguf_file: Path) -> None:
+@pytest.mark.parametrize("unified", [True, False], ids=["one-cache", "cache-per-sequence"])
+def test_rows_of_several_sequences_in_one_step_match_decoding_each_alone(gguf_file: Path, unified: bool) -> None:
     model = runtime.Model(gguf_file)
     a, b = [3, 17, 42, 8, 9], [50, 51]
     alone = []
     for toks in (a, b):
         ctx = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
         alone.append(ctx.decode(np.zeros(len(toks)), np.asarray(toks), np.arange(len(toks)), _want(len(toks), [len(toks) - 1])))
-    ctx = runtime.Context(model, n_ctx=64, n_seq_max=2, n_batch=16, threads=1)
+    ctx = runtime.Context(model, n_ctx=128, n_seq_max=2, n_batch=16, threads=1, unified=unified)
     together = ctx.decode(np.asarray([0] * 5 + [1] * 2), np.asarray(a + b), np.asarray([*range(5), *range(2)]),
                           _want(7, [4, 6]))
     assert together.shape == (2, VOCAB)
@@ -155,3 +156,16 @@ def test_the_compiled_decoder_applies_drops_then_rows(gguf_file: Path) -> None:
     again = step([7], [3], [2], [0], drops=[(7, 2), (9, 0)])  # roll 7 back one position; 9 is gone
     np.testing.assert_allclose(again[0], out[0], atol=1e-4)  # a 1-row step rounds unlike a 4-row one
     assert set(kv.slots) == {7}
+
+
+def test_many_sequences_get_a_cache_each_within_the_budget(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One shared cache makes every row attend over every sequence's cells: a cache per sequence is taken
+    # while it costs at most KV_SPLIT_BUDGET times the engine's budget, and forced either way by the setting.
+    dec = plugin.dspark_compile_decoder(_spec(gguf_file), _device())
+    assert dec is not None
+    monkeypatch.delenv("DSPARK_LLAMACPP_KV", raising=False)
+    assert dec.allocate(1024, 8).n_ctx >= 8 * 256  # 8 x min(256 positions, 1024) fits 4 x 1024
+    big = dec.allocate(256, 32)  # 32 x 256 > 4 x 256: one shared cache
+    assert big.n_ctx == 256
+    monkeypatch.setenv("DSPARK_LLAMACPP_KV", "split")
+    assert dec.allocate(256, 32).n_ctx == 32 * 256

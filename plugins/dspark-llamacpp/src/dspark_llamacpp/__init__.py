@@ -27,6 +27,7 @@ DSPARK_API_VERSION = "1.8"
 
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
+KV_SPLIT_BUDGET = 4  # a cache per sequence may take up to this many times the engine's KV budget
 _models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _models_lock = threading.Lock()
 
@@ -136,14 +137,22 @@ class LlamaDecoder:
         self.threads = spec.threads or os.cpu_count() or 1
         self.n_batch = max(64, min(spec.max_num_tokens, 4096))
         self.vocab = spec.vocab_size
+        self.max_len = spec.max_position_embeddings
         if model.n_vocab < spec.vocab_size:
             raise ValueError(f"{model.path}: llama.cpp reads {model.n_vocab} tokens, the model has {spec.vocab_size}")
 
     def allocate(self, num_tokens: int, max_seqs: int) -> Any:
         if max_seqs > MAX_SEQS:
             raise ValueError(f"llama.cpp holds at most {MAX_SEQS} sequences per context, {max_seqs} asked")
-        return _runtime().Context(self.model, n_ctx=num_tokens, n_seq_max=max_seqs, n_batch=self.n_batch,
-                                  threads=self.threads)
+        # A unified cache makes every row attend over every sequence's cells (masked): at many sequences that
+        # is most of a step. A cache per sequence needs each to hold a whole context, so it is taken only while
+        # that costs at most KV_SPLIT_BUDGET times the engine's budget (DSPARK_LLAMACPP_KV=unified|split forces).
+        per_seq = min(self.max_len, num_tokens)
+        mode = os.environ.get("DSPARK_LLAMACPP_KV", "auto")
+        split = max_seqs > 1 and (mode == "split" or (mode == "auto" and max_seqs * per_seq <= KV_SPLIT_BUDGET * num_tokens))
+        n_ctx = max_seqs * per_seq if split else num_tokens
+        return _runtime().Context(self.model, n_ctx=n_ctx, n_seq_max=max_seqs, n_batch=self.n_batch,
+                                  threads=self.threads, unified=not split)
 
     def step(self, kv: Any, batch: SeqBatch) -> np.ndarray:
         if batch.exit_layer is not None:

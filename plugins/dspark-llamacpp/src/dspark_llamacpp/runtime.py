@@ -106,14 +106,16 @@ class Context:
     """One KV store over a :class:`Model`: ``n_ctx`` cells for up to ``n_seq_max`` sequences."""
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int, threads: int,
-                 kv_type: int = C.GGML_TYPE_F32, flash_attn: bool = False) -> None:
+                 kv_type: int = C.GGML_TYPE_F32, flash_attn: bool = False, unified: bool = True) -> None:
+        """``unified``: one cache of ``n_ctx`` cells shared by every sequence (each row's attention then spans
+        every used cell, masked); else ``n_ctx / n_seq_max`` cells per sequence, each attending to its own."""
         self.model = model  # keeps the model alive as long as a context uses it
         p = C.llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = min(n_batch, 512)
         p.n_seq_max = n_seq_max
-        p.kv_unified = True
+        p.kv_unified = unified
         p.n_threads = p.n_threads_batch = threads
         p.type_k = p.type_v = kv_type
         p.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
