@@ -403,7 +403,7 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
         d, p = sides.get("dspark", []), next((v for k, v in sides.items() if k != "dspark"), [])
         a, b = med(d, "tok_s"), med(p, "tok_s")
         same = ""
-        if d and p and "tokens" in d[0] and "tokens" in p[0]:
+        if d and p and isinstance(d[0].get("tokens"), list) and isinstance(p[0].get("tokens"), list):
             same = "yes" if d[0]["tokens"] == p[0]["tokens"] else "no"
         ttft = f"{med(d, 'ttft_ms') or 0:.0f} / {med(p, 'ttft_ms') or 0:.0f}" if med(d, "ttft_ms") else "-"
         rss = f"{med(d, 'peak_rss_mb') or 0:.0f} / {med(p, 'peak_rss_mb') or 0:.0f}"

@@ -8,11 +8,11 @@ bfloat16 argmax flips are measured by benchmarks/vs_openvino_genai.py, not asser
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from decoder_testutil import MODEL, PROMPTS, float_engine, greedy, run_prompts
 
 from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
@@ -24,29 +24,7 @@ openvino = pytest.importorskip("openvino")
 from dspark_plugins_cpu import decoder as ov_decoder  # noqa: E402
 from dspark_plugins_cpu import probe as ov_probe  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
-PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
-           "for i in range(10):\n    print(i)\nfor j in range(", "# a long comment " * 6]
-
-
-def _run(engine: LLMEngine, params: list[SamplingParams], prios: list[int] | None = None) -> dict[str, Any]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
-        engine.add_request(str(i), p, sp, priority=(prios or [0] * len(PROMPTS))[i])
-    out: dict[str, Any] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o
-    assert engine.cache.all_free()
-    return out
-
-
-def _engine(decoder: str, **kw: Any) -> LLMEngine:
-    return LLMEngine(MODEL, dtype="float32", decoder=decoder, **kw)
-
-
-def _greedy(n: int = 24) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
+_run, _engine, _greedy = run_prompts, float_engine, greedy
 
 
 class _Renamed:

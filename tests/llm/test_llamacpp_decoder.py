@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from decoder_testutil import MODEL, PROMPTS, float_engine, greedy, run_prompts
 
 from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
@@ -29,29 +29,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scri
 from dspark_llamacpp import runtime as lrt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
-PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
-           "for i in range(10):\n    print(i)\nfor j in range(", "# a long comment " * 6]
-
-
-def _run(engine: LLMEngine, params: list[SamplingParams], prios: list[int] | None = None) -> dict[str, Any]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
-        engine.add_request(str(i), p, sp, priority=(prios or [0] * len(PROMPTS))[i])
-    out: dict[str, Any] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o
-    assert engine.cache.all_free()
-    return out
-
-
-def _engine(decoder: str, model: Path | str = MODEL, **kw: Any) -> LLMEngine:
-    return LLMEngine(model, dtype="float32", decoder=decoder, **kw)
-
-
-def _greedy(n: int = 24) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
+_run, _engine, _greedy = run_prompts, float_engine, greedy
 
 
 def _tokens(out: dict[str, Any]) -> dict[str, list[int]]:
@@ -142,6 +120,7 @@ class _Faulty:
 
         class Faulty:
             kv_mode = "sequence"
+            owns_weights = True  # as llama.cpp's: the engine drops its torch copy, reloads it for the failover
 
             def allocate(self, n: int, seqs: int) -> Any:
                 return inner.allocate(n, seqs)
@@ -167,6 +146,7 @@ def test_a_failing_llamacpp_decoder_moves_to_torch_and_loses_no_request() -> Non
     assert _tokens(got) == _tokens(ref)
     s = e.stats()
     assert s.decoder == "torch" and s.decoder_failovers == 1
+    assert not getattr(e.runner.reference, "is_weightless", False)  # reloaded from disk for the failover
     fault = host.last_fault("faulty")
     assert fault is not None and fault.hook == "decoder.step" and "llama.cpp aborted" in fault.reason
 
@@ -246,6 +226,13 @@ def test_what_llamacpp_cannot_run_is_declined_with_the_reason(checkpoint: Any) -
     c = e.decoder_choice
     assert c is not None and c.chosen == "torch"
     assert any(d["label"] == "llamacpp@cpu" and "qwen2" in d["reason"] for d in c.declined), c.declined
+
+
+def test_a_checkpoint_on_llamacpp_keeps_no_torch_copy_of_its_weights() -> None:
+    # llama.cpp reads its own GGUF of the checkpoint (owns_weights): the torch runner's copy is dropped.
+    e = _engine("llamacpp", max_batch_size=4)
+    assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
+    assert e.runner.reference.is_weightless and e.runner.reference_loader is not None
 
 
 def test_a_tiny_llama_checkpoint_is_written_as_gguf_and_matches_torch(checkpoint: Any) -> None:

@@ -277,6 +277,14 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,
                            time.perf_counter() - t0)
     _log(choice)
+    if first.keeps_kv and getattr(first.compiled, "owns_weights", False) and not getattr(runner, "is_weightless", False):
+        # The winner holds its own copy (it read the model file itself): the torch runner's goes, and comes back
+        # from disk only if a failover must run it.
+        from dspark.llm.runner.model import ModelRunner
+
+        dtype = runner.dtype
+        load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), dtype))
+        runner = ModelRunner.weightless(runner.cfg, dtype)
     return DecoderRunner(runner, chain, host=host, max_seqs=cfg.max_batch_size, reference_loader=load_reference), choice
 
 
