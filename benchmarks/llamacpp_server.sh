@@ -2,7 +2,7 @@
 # llama-server for benchmarks/vs_llamacpp.py (not in CI): built from the same llama.cpp source as the
 # plugin's llama-cpp-python (the sdist's vendor/llama.cpp), with the same native CPU flags.
 #
-# Usage: bash benchmarks/llamacpp_server.sh      (about 10 minutes on 2 cores; prints the binary's path)
+# Usage: bash benchmarks/llamacpp_server.sh      (about 15 minutes on 2 cores; prints the binary's path)
 #   LLAMACPP_VERSION=0.3.36  JOBS=2  override the defaults
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
