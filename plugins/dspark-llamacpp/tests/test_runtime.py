@@ -104,6 +104,30 @@ def test_rows_of_several_sequences_in_one_step_match_decoding_each_alone(gguf_fi
     np.testing.assert_allclose(together[1], alone[1][0], atol=1e-4)
 
 
+def test_rows_out_of_slot_order_come_back_in_the_callers_order(gguf_file: Path) -> None:
+    # A cache per sequence runs rows sorted by slot (one micro-batch); the logits must still follow the caller.
+    model = runtime.Model(gguf_file)
+    a, b = [3, 17, 42, 8, 9], [50, 51]
+    a_next, b_next = [33], [60, 61]
+
+    def alone(toks: list[int]) -> np.ndarray:
+        ctx = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
+        n = len(toks)
+        return ctx.decode(np.zeros(n), np.asarray(toks), np.arange(n), np.ones(n, np.int8))
+
+    ctx = runtime.Context(model, n_ctx=192, n_seq_max=3, n_batch=16, threads=1, unified=False)
+    ctx.decode(np.asarray([7] * 5 + [8] * 2), np.asarray(a + b), np.asarray([*range(5), *range(2)]), _want(7, [4, 6]))
+    assert ctx.slots == {7: 0, 8: 1}
+    # sequence 8 (slot 1) first, then 7 (slot 0): every row's logits, in this order
+    out = ctx.decode(np.asarray([8, 8, 7]), np.asarray(b_next + a_next), np.asarray([2, 3, 5]), np.ones(3, np.int8))
+    np.testing.assert_allclose(out[:2], alone(b + b_next)[2:], atol=1e-4)
+    np.testing.assert_allclose(out[2], alone(a + a_next)[5], atol=1e-4)
+    ctx.drop(7, 0)
+    ctx.drop(8, 0)
+    ctx.decode(np.asarray([9, 10]), np.asarray([4, 5]), np.asarray([0, 0]), np.ones(2, np.int8))
+    assert ctx.slots == {9: 0, 10: 1}  # the lowest free slots first: live sequences stay consecutive
+
+
 def test_dropped_positions_decode_again_to_the_same_logits(gguf_file: Path) -> None:
     ctx = runtime.Context(runtime.Model(gguf_file), n_ctx=64, n_seq_max=2, n_batch=8, threads=1)
     toks = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # wider than n_batch: two llama_decode calls

@@ -12,6 +12,7 @@ The batch is our own ``llama_batch`` over numpy arrays allocated once per contex
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import threading
 from pathlib import Path
@@ -148,8 +149,9 @@ class Context:
         b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(C.llama_seq_id)))
         b.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
+        self.unified = unified
         self.slots: dict[int, int] = {}  # the engine's sequence id -> llama.cpp sequence id
-        self._free = list(range(n_seq_max - 1, -1, -1))
+        self._free = list(range(n_seq_max))  # a heap: the lowest free slot is taken first
 
     def drop(self, seq: int, first: int) -> None:
         slot = self.slots.get(seq)
@@ -159,20 +161,26 @@ class Context:
             raise LlamaError(f"llama_memory_seq_rm refused to drop sequence {seq} from position {first}")
         if first == 0:
             del self.slots[seq]
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     def slot(self, seq: int) -> int:
         s = self.slots.get(seq)
         if s is None:
             if not self._free:
                 raise LlamaError(f"more than {self.n_seq_max} live sequences")
-            s = self.slots[seq] = self._free.pop()
+            s = self.slots[seq] = heapq.heappop(self._free)
         return s
 
     def decode(self, seqs: np.ndarray, tokens: np.ndarray, positions: np.ndarray, want: np.ndarray) -> np.ndarray:
         """Rows of any sequences; returns float32 logits of the rows flagged in ``want`` (bool), in order."""
         n = len(tokens)
         slots = np.fromiter((self.slot(int(s)) for s in seqs), np.int32, n) if n else np.zeros(0, np.int32)
+        order = None
+        if not self.unified and n > 1 and bool((np.diff(slots) < 0).any()):
+            # A cache per sequence splits a batch into micro-batches of sequences with consecutive ids, in
+            # the order they come (llama_batch_allocr::split_equal): rows sorted by slot make one of them.
+            order = np.argsort(slots, kind="stable")
+            slots, tokens, positions, want = slots[order], tokens[order], positions[order], want[order]
         parts = []
         for a in range(0, n, self.n_batch):
             b = min(n, a + self.n_batch)
@@ -192,7 +200,10 @@ class Context:
                 parts.append(np.ctypeslib.as_array(ptr, shape=(r, self.n_vocab)).copy())
         if not parts:
             return np.zeros((0, self.n_vocab), np.float32)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if order is not None:  # back to the caller's row order
+            out = out[np.argsort(order[want.astype(bool)], kind="stable")]
+        return out
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
