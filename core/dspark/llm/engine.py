@@ -11,6 +11,7 @@ import torch
 
 from dspark.host.log import get_logger
 from dspark.llm.config import EngineConfig
+from dspark.llm.detokenize import Detokenizer
 from dspark.llm.gguf import load_runner
 from dspark.llm.logits import (
     LogprobsPrefix,
@@ -90,6 +91,7 @@ class LLMEngine:
         self.cache = self.runner.make_cache(-(-total // page), page)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_ids = set(mcfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -409,8 +411,8 @@ class LLMEngine:
         if decode or p.stop:
             self._set_text(seq, stop_tok)
         reason = "stop" if stop_tok else None
-        if early and p.stop:
-            seq.stop_floor = len(seq.text)
+        if early and p.stop:  # the whole decode's length, trailing U+FFFD included, as the floor always was
+            seq.stop_floor = len(self.detokenizer.whole(seq)) if self.tokenizer is not None else len(seq.text)
         elif p.stop and reason is None:
             # The earliest match wins; text before it is the output. A match must end past the text
             # of the first min_tokens - 1 tokens.
@@ -422,12 +424,18 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            if reason == "length" and (decode or p.stop):
+                self._set_text(seq, False)  # finished: the whole decode, not the incremental one
 
     def _set_text(self, seq: Sequence, drop_last: bool) -> None:
-        """``seq.text`` from its output tokens, less the last one when that is a stop token."""
-        if self.tokenizer is not None:
-            ids = seq.output_ids[:-1] if drop_last else seq.output_ids
-            seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        """``seq.text`` from its output tokens, less the last one when that is a stop token: decoded whole
+        once the sequence ends, else incrementally where that gives the same text (dspark.llm.detokenize)."""
+        if self.tokenizer is None:
+            return
+        if drop_last or seq.status is Status.FINISHED:
+            seq.text = self.detokenizer.whole(seq, drop_last)
+        else:
+            seq.text = self.detokenizer.text(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status is Status.FINISHED

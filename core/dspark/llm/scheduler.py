@@ -50,6 +50,9 @@ class Sequence:
     first_scheduled: float | None = None  # time.perf_counter() when first planned into a step
     stop_floor: int = 0  # characters of ``text`` before which stop strings are not searched (min_tokens)
     penalty_counts: Any = None  # dspark.llm.logits.PenaltyCounts, made on first use by the batched processing
+    detok: Any = None  # the incremental decoder of the output text (dspark.llm.detokenize), made on first use
+    detok_n: int = 0  # output tokens it has been fed
+    detok_text: str = ""  # the text it has given
     # No logits processing, logprobs or grammar: the engine's batched fast path. Set at construction.
     plain: bool = field(init=False, default=True)
 
