@@ -7,7 +7,9 @@ bfloat16 argmax flips are measured by benchmarks/vs_openvino_genai.py, not asser
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -191,6 +193,58 @@ def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: b
     fault = host.last_fault("faulty")
     assert fault is not None and fault.hook == "decoder.step"
     assert ("did not return within" if hang else "device lost") in fault.reason
+
+
+class _Counted(_Renamed):
+    """OpenVINO's decoder under its own name, counting the compiled decoders alive when it compiles one."""
+
+    def __init__(self, name: str, alive: weakref.WeakSet[Any], seen: list[int]) -> None:
+        self.RUNTIME, self.alive, self.seen = f"{name}/CPU", alive, seen
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        gc.collect()
+        self.seen.append(len(self.alive))
+        compiled = _Renamed.dspark_compile_decoder(self, decoder, device)
+        self.alive.add(compiled)
+        return compiled
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        return inner.step(kv, batch)
+
+
+def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_when_reached(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))  # a cold start: every target is timed
+    alive: weakref.WeakSet[Any] = weakref.WeakSet()
+    seen: list[int] = []
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(_Counted("one", alive, seen), "one")
+    host.register(_Counted("two", alive, seen), "two")
+    host.load()
+    e = LLMEngine(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=8)
+    ranked = [r["label"] for r in (e.decoder_choice.ranked if e.decoder_choice else [])]
+    assert {"one@cpu", "two@cpu"} <= set(ranked), ranked
+    assert seen[:3] == [0, 0, 0]  # each timed, then the winner, compiled while no other's copy was alive
+    runner = e.runner
+    assert runner.reference.is_weightless  # the torch runner's copy went once a compiled decoder won
+    live = [t.label for t in runner.targets if t.compiled is not None]
+    assert live == [runner.current.label] and runner.current.label != "torch"  # fallbacks are not compiled
+    # The same choice by name, with the faulty decoder first: its failover compiles the next target then.
+    del e, runner
+    seen.clear()
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(_Faulty(fail_at=16), "faulty")  # fails mid-serving, after the probe scenario
+    host.register(_Counted("one", alive, seen), "one")
+    host.load()
+    e = LLMEngine(MODEL, dtype="float32", decoder="faulty,one", plugin_host=host, max_batch_size=8)
+    assert [t.label for t in e.runner.targets] == ["faulty@cpu", "one@cpu", "torch"]
+    assert e.runner.targets[1].compiled is None and seen == []
+    ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
+    got = _run(e, _greedy(20))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+    assert e.stats().decoder == "one@cpu" and seen == [0]  # compiled when reached: the failed one's copy gone
+    assert e.runner.targets[0].compiled is None
 
 
 # -- HF checkpoints and quantized plans ---------------------------------------------------------------

@@ -69,6 +69,20 @@ def memory() -> tuple[int, int]:
     return total, available
 
 
+def return_freed_memory() -> None:
+    """Give the memory freed on the C heap back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+    glibc keeps freed blocks below its mmap threshold (which grows to 32 MiB) for reuse, so a dropped copy
+    of a model's weights would otherwise stay in the process's RSS."""
+    if platform.system() != "Linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # musl or another libc: no malloc_trim
+        pass
+
+
 def cpu_utilization() -> float:
     """System-wide CPU load over the last minute, 0..1 (load average / cores)."""
     try:

@@ -1,13 +1,16 @@
 """Which target runs the engine's decoder: the plugins bid, the engine measures, the fastest runs.
 
 Every device-driving plugin is asked ``dspark_decoder_bid`` for every device it
-reported. Bids that fit the device's memory are compiled, checked against the
-torch runner on a short probe scenario (a bid is a promise: a decoder whose
-logits are wrong is charged to its plugin and dropped), and timed with the
-torch runner at the engine's step shapes (timing.py). Timings are cached on
-disk per model fingerprint, runtime version and threads, so a warm start only
-compiles and checks the winner. The ranked list is the failover order; the
-torch runner is always its last entry.
+reported. Bids that fit the device's memory are compiled one at a time, checked against
+the torch runner on a short probe scenario (a bid is a promise: a decoder whose
+logits are wrong is charged to its plugin and dropped), timed beside the torch
+runner at the engine's step shapes (timing.py) and let go before the next is
+compiled. Timings are cached on disk per model fingerprint, runtime version and
+threads, so a warm start only compiles and checks the winner. The ranked list
+is the failover order (the torch runner last); a failover target is compiled
+when a failover reaches it. Once a compiled decoder wins, the torch runner's
+weights go too (read from disk again if a failover must run it): the weights
+are held once, in the form that runs.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark.host import cache as disk
+from dspark.host import hostinfo
 from dspark.host.log import get_logger
 from dspark.llm.decoding import split
 from dspark.llm.decoding.conformance import compare
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
-from dspark.llm.decoding.spec import float_runner, make_spec
+from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
 from dspark.sdk.decoder import is_sequence
 
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
-_NAMESPACE = "decoder-timings-v1"
+_NAMESPACE = "decoder-timings-v2"  # v2: each target timed beside the torch runner
 _PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
 _CONTEXT = 128  # tokens each timed sequence holds
 
@@ -189,12 +193,15 @@ def _split(host: PluginHost, spec: DecoderSpec, short: list[tuple[DecoderBid, De
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
                    quantization: dict[str, QuantSpec] | None = None,
                    stored: bool = False,
-                   load_reference: Callable[[], ModelRunner] | None = None) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
+                   load_reference: Callable[[], ModelRunner] | None = None,
+                   prepare_reference: Callable[[ModelRunner], None] | None = None,
+                   ) -> tuple[ModelRunner | DecoderRunner, DecoderChoice]:
     """The runner the engine should use, and why. ``cfg.decoder``: 'auto', or 'PLUGIN[@DEVICE]'.
     ``stored``: a quantized GGUF file, offered only to decoders that run it as stored (``gguf_stored``).
     ``runner`` may be weightless (``ModelRunner.weightless``): then the targets are probed in a process of
     their own, not timed against the torch runner (the file's size is the point: it runs as stored), and
-    ``load_reference`` loads the torch runner if a failover ever needs it."""
+    ``load_reference`` loads the torch runner if a failover ever needs it. ``prepare_reference`` readies
+    the torch runner before it is timed (its packed copies: timed as it would run)."""
     t0 = time.perf_counter()
     spec = make_spec(runner, path, max_num_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_batch_size,
                      quantization=quantization, extra_features=frozenset({"gguf_stored"}) if stored else frozenset())
@@ -217,53 +224,56 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                 short.append((bid, dev))
         else:
             candidates.append((bid, dev))
-    targets: list[Target] = []
     reference = runner if not quantization or not (candidates or short) else _fake_quant_reference(
         path, runner.dtype, quantization)
-    for bid, dev in candidates:
-        label = f"{bid.plugin}@{bid.device_id}"
-        compiled = host.call(bid.plugin, "dspark_compile_decoder", decoder=spec, device=dev)
-        if compiled is None:
-            declined.append({"label": label, "reason": "bid, then did not compile (reported to the plugin)"})
-            host.charge(bid.plugin, "dspark_compile_decoder", "bid on the decoder, then returned None",
-                        device=dev.id)
-            continue
-        if (bid.kv == "sequence") != is_sequence(compiled):
-            why = f"bid kv={bid.kv!r}, then compiled a decoder of the other mode"
-            declined.append({"label": label, "reason": why})
-            host.charge(bid.plugin, "dspark_compile_decoder", why, device=dev.id)
-            continue
-        t = Target(label, bid.runtime, compiled, bid.plugin, dev.id, exit_layers=bid.exit_layers, note=bid.note,
-                   any_block=bid.block_size is None or bid.kv == "sequence")
-        if _admit(t, reference, spec, host, declined, load_reference):
-            targets.append(t)
-    if not targets and len(short) > 1:  # no device holds it: layer ranges over several
+    weightless = getattr(runner, "is_weightless", False)
+    # Compiled only while needed: one at a time while timed, then the winner; the others are compiled again
+    # only if a failover reaches them, so no fallback holds a copy of the weights meanwhile.
+    targets = [_pending(bid, dev, host, spec) for bid, dev in candidates]
+    ref = Target(REFERENCE, f"torch {torch.__version__}")
+    slower: list[Target] = []  # measured slower than the torch runner: neither run nor are failover targets
+    if weightless:  # the torch runner would hold the file dequantized: fallback only
+        why = "runs the quantized GGUF file as stored ({}; the torch runner, which would hold it dequantized, " \
+              "is the fallback, loaded from the file if it must run)"
+    elif cfg.decoder == "auto":
+        timed = _time(targets, ref, runner, reference, spec, cfg, host, declined, prepare_reference)
+        targets = sorted([t for t in timed if t.score < ref.score], key=lambda t: t.score)
+        slower = [t for t in timed if t.score >= ref.score]
+        why = "measured fastest ({})"
+    else:  # asked for by name: no race, the torch runner only as the fallback
+        why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
+    first = None
+    while targets:  # the best that compiles and keeps its promise runs
+        t = targets[0]
+        if _ready(t, reference, spec, host, declined, load_reference):
+            first = t
+            break
+        targets.pop(0)
+    if first is None and not slower and len(short) > 1:  # no device holds it: layer ranges over several
         chain = _split(host, spec, short, max_tokens, declined)
         if chain is not None and _admit(chain, reference, spec, host, declined):
-            targets.append(chain)
-    ref = Target(REFERENCE, f"torch {torch.__version__}")
-    if not targets:
+            first = chain
+            targets = [chain]
+    if first is None and slower:  # every target measured slower than the torch runner
+        ranked = sorted([*slower, ref], key=lambda t: t.score)
+        rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
+                 **({"note": t.note} if t.note else {})} for t in ranked]
+        choice = DecoderChoice(REFERENCE, "measured fastest ({})".format(_beat(ref, ranked)), rows, declined,
+                               time.perf_counter() - t0)
+        _log(choice)
+        return runner, choice
+    if first is None:
         why = "no plugin bid on the decoder" if not declined else "every bid was declined"
         choice = DecoderChoice(REFERENCE, why, [{"label": REFERENCE, "runtime": ref.runtime}], declined,
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
-    if getattr(runner, "is_weightless", False):  # the torch runner would hold the file dequantized: fallback only
-        ranked = [*targets, ref]
-        why = "runs the quantized GGUF file as stored ({}; the torch runner, which would hold it dequantized, " \
-              "is the fallback, loaded from the file if it must run)"
-    elif cfg.decoder == "auto":
-        _time(targets, ref, runner, spec, cfg)
-        ranked = sorted([*targets, ref], key=lambda t: t.score)
-        why = "measured fastest ({})"
-    else:  # asked for by name: no race, the torch runner only as the fallback
-        ranked = [*targets, ref]
-        why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
-    first = ranked[0]
+    ranked = sorted([*targets, *slower, ref], key=lambda t: t.score) if cfg.decoder == "auto" and not weightless \
+        else [*targets, ref]
     rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
              **({"note": t.note} if t.note else {})} for t in ranked]
-    if first.is_reference:
-        choice = DecoderChoice(REFERENCE, why.format(_beat(first, ranked)), rows, declined,
+    if ranked[0].is_reference:
+        choice = DecoderChoice(REFERENCE, why.format(_beat(ranked[0], ranked)), rows, declined,
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
@@ -271,21 +281,57 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     block = cfg.page_size if first.keeps_kv else first.compiled.block_size  # type: ignore[union-attr]
     for t in ranked:  # a bid of block_size=None takes the winner's layout (failover keeps the block tables)
         if t.any_block and t is not first and not t.keeps_kv:
-            t.compiled.block_size = block  # type: ignore[union-attr]
-    chain = [t for t in ranked if t.is_reference or t.keeps_kv or t.compiled.block_size == block]  # type: ignore[union-attr]
+            t.block = block
+            if t.compiled is not None:
+                t.compiled.block_size = block
+    chain = [t for t in ranked if t.is_reference or t.keeps_kv
+             or (t.compiled.block_size if t.compiled is not None else t.block) == block]
     chain = chain[: chain.index(next(t for t in chain if t.is_reference)) + 1]
     choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,
                            time.perf_counter() - t0)
     _log(choice)
-    if first.keeps_kv and getattr(first.compiled, "owns_weights", False) and not getattr(runner, "is_weightless", False):
-        # The winner holds its own copy (it read the model file itself): the torch runner's goes, and comes back
-        # from disk only if a failover must run it.
+    if not weightless and not quantization:
+        # The winner holds the weights in the form it runs: the torch runner's copy goes, and so does the
+        # spec's hold on it; a failover target compiles from the file, and the torch runner is read from disk
+        # again only if a failover must run it.
         from dspark.llm.runner.model import ModelRunner
 
         dtype = runner.dtype
         load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), dtype))
+        if isinstance(spec.weights_fn, SpecWeights):  # what the winner was compiled from lets go too
+            spec.weights_fn.from_disk(load_reference)
         runner = ModelRunner.weightless(runner.cfg, dtype)
     return DecoderRunner(runner, chain, host=host, max_seqs=cfg.max_batch_size, reference_loader=load_reference), choice
+
+
+def _pending(bid: DecoderBid, dev: Device, host: PluginHost, spec: DecoderSpec) -> Target:
+    """A target for ``bid``, compiled when first needed (:meth:`Target.ensure`)."""
+    def make() -> Any:
+        return host.call(bid.plugin, "dspark_compile_decoder", decoder=spec, device=dev)
+
+    return Target(f"{bid.plugin}@{bid.device_id}", bid.runtime, None, bid.plugin, dev.id,
+                  exit_layers=bid.exit_layers, note=bid.note, any_block=bid.block_size is None or bid.kv == "sequence",
+                  make=make, kv=bid.kv, block=bid.block_size)
+
+
+def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost, declined: list[dict[str, str]],
+           load_reference: Callable[[], ModelRunner] | None = None) -> bool:
+    """Compile ``t`` (when it is not) and probe it (when not done in this process); a failure is declined
+    and charged to its plugin."""
+    try:
+        t.ensure()
+    except Exception as exc:
+        why = f"{exc}" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+        declined.append({"label": t.label, "reason": why + " (reported to the plugin)"})
+        if t.plugin is not None:
+            host.charge(t.plugin, "dspark_compile_decoder", why, device=t.device_id)
+        return False
+    if t.admitted:
+        return True
+    t.admitted = _admit(t, reference, spec, host, declined, load_reference)
+    if not t.admitted:
+        t.release()
+    return t.admitted
 
 
 def _beat(first: Target, ranked: list[Target]) -> str:
@@ -300,36 +346,46 @@ def _key(t: Target, spec: DecoderSpec, shape_names: list[str]) -> dict[str, Any]
             "shapes": shape_names, "context": _CONTEXT}
 
 
-def _time(targets: list[Target], ref: Target, runner: ModelRunner, spec: DecoderSpec, cfg: EngineConfig) -> None:
-    """Fill ``step_ms`` and ``score`` of every target (the reference included), from the disk cache
-    where all were timed before in this configuration, else by timing them together now."""
+def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
+          cfg: EngineConfig, host: PluginHost, declined: list[dict[str, str]],
+          prepare_reference: Callable[[ModelRunner], None] | None = None) -> list[Target]:
+    """Fill ``step_ms`` and ``score`` of every target that is admitted, and the reference's; returns those.
+    Each target is timed in turn beside the torch runner (its score is its time relative to the torch
+    runner's in the same minutes) and let go before the next is compiled, so only one plugin's copy of
+    the weights is held at a time. A warm start reads the timings from the disk cache and compiles nothing."""
     sl = shapes(cfg.max_batch_size, min(128, cfg.max_num_batched_tokens))
     names = [s.name for s in sl]
-    everyone = [*targets, ref]
-    cached = [disk.load(_NAMESPACE, _key(t, spec, names)) for t in everyone]
-    if all(c is not None for c in cached):
-        for t, c in zip(everyone, cached, strict=True):
-            t.step_ms = dict(c)
-    else:
-        benches = {}
-        vocab = runner.cfg.vocab_size
-        ctx = min(_CONTEXT, runner.cfg.max_position_embeddings - 130)
-        max_seqs = max(s.seqs for s in sl)
-        for t in everyone:
-            if t.is_reference:
-                benches[t.label] = Bench(runner.step, lambda n: runner.make_cache(n, 16), 16, max_seqs=max_seqs,
-                                         context=ctx, max_rows=130, vocab=vocab)
-            else:
-                dr = DecoderRunner(runner, [t], step_timeout_s=None, max_seqs=max_seqs)
-                bs = 16 if t.keeps_kv else t.compiled.block_size  # type: ignore[union-attr]
-                benches[t.label] = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs,
-                                         max_seqs=max_seqs, context=ctx, max_rows=130, vocab=vocab)
-        timed = time_targets(benches, sl)
-        for t in everyone:
-            t.step_ms = timed[t.label]
-            disk.store(_NAMESPACE, _key(t, spec, names), t.step_ms)
-    for t in everyone:
-        t.score = score(t.step_ms, ref.step_ms)
+    out = []
+    vocab = runner.cfg.vocab_size
+    ctx = min(_CONTEXT, runner.cfg.max_position_embeddings - 130)
+    max_seqs = max(s.seqs for s in sl)
+    ref_bench: Bench | None = None
+    for t in targets:
+        cached = disk.load(_NAMESPACE, _key(t, spec, names))
+        if cached is None:
+            if not _ready(t, reference, spec, host, declined):
+                continue
+            if ref_bench is None:
+                if prepare_reference is not None:
+                    prepare_reference(runner)
+                ref_bench = Bench(runner.step, lambda n: runner.make_cache(n, 16), 16, max_seqs=max_seqs,
+                                  context=ctx, max_rows=130, vocab=vocab)
+            dr = DecoderRunner(runner, [t], step_timeout_s=None, max_seqs=max_seqs)
+            bs = 16 if t.keeps_kv else t.compiled.block_size  # type: ignore[union-attr]
+            bench = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs, max_seqs=max_seqs,
+                          context=ctx, max_rows=130, vocab=vocab)
+            timed = time_targets({t.label: bench, REFERENCE: ref_bench}, sl)
+            cached = {"step_ms": timed[t.label], "reference_ms": timed[REFERENCE]}
+            disk.store(_NAMESPACE, _key(t, spec, names), cached)
+            del dr, bench
+            t.release()  # compiled again if it wins, or if a failover reaches it
+            hostinfo.return_freed_memory()
+        t.step_ms = dict(cached["step_ms"])
+        t.score = score(t.step_ms, cached["reference_ms"])
+        ref.step_ms = dict(cached["reference_ms"])
+        out.append(t)
+    ref.score = 1.0
+    return out
 
 
 def _log(choice: DecoderChoice) -> None:

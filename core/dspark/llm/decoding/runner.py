@@ -61,15 +61,40 @@ class Target:
     note: str = ""
     score: float = 1.0  # mean step time relative to the torch runner's (timing.score)
     any_block: bool = False  # its bid took any KV block size: the engine may set compiled.block_size
+    # A target compiled only when it must run (a failover target, one timed and released): compiles it.
+    make: Callable[[], Any] | None = field(default=None, repr=False)
+    kv: str = "paged"  # its bid's KV mode ("sequence": API 1.8), known before it is compiled
+    block: int | None = None  # the KV block size it runs with: its bid's, or the one the engine gave it
+    admitted: bool = False  # it passed the probe scenario in this process
 
     @property
     def is_reference(self) -> bool:
-        return self.compiled is None
+        return self.compiled is None and self.make is None
 
     @property
     def keeps_kv(self) -> bool:
         """The target keeps the KV per sequence itself (API 1.8): no block layout to agree on."""
-        return self.compiled is not None and is_sequence(self.compiled)
+        if self.compiled is None:
+            return self.make is not None and self.kv == "sequence"
+        return is_sequence(self.compiled)
+
+    def ensure(self) -> None:
+        """Compile a target held uncompiled, checking what its bid promised; raises when it cannot."""
+        if self.compiled is not None or self.make is None:
+            return
+        compiled = self.make()
+        if compiled is None:
+            raise RuntimeError("bid on the decoder, then did not compile")
+        if (self.kv == "sequence") != is_sequence(compiled):
+            raise RuntimeError(f"bid kv={self.kv!r}, then compiled a decoder of the other mode")
+        if self.any_block and self.block is not None and not is_sequence(compiled):
+            compiled.block_size = self.block
+        self.compiled = compiled
+
+    def release(self) -> None:
+        """Let go of the compiled decoder (and the weights it holds); :meth:`ensure` compiles it again."""
+        if self.make is not None:
+            self.compiled = None
 
 
 class DecoderRunner:
@@ -203,14 +228,26 @@ class DecoderRunner:
     # -- failover -------------------------------------------------------------------------------
     def _failover(self, failed: Target, reason: str) -> None:
         i = self.targets.index(failed)
-        nxt = self.targets[i + 1]
-        log.error("llm.decoder.failover", failed=failed.label, reason=reason, next=nxt.label)
         part = getattr(failed.compiled, "failed_part", None)  # a chain of ranges: the range that failed
         plugin, device = (part.plugin, part.device.id) if part is not None else (failed.plugin, failed.device_id)
         if self.host is not None and plugin is not None:
             self.host.charge(plugin, "decoder.step", reason, device=device)
-        self.failovers.append({"from": failed.label, "to": nxt.label, "reason": reason, "time": time.time()})
         t0 = time.perf_counter()
+        nxt = self.targets[i + 1]
+        while not nxt.is_reference:  # a target held uncompiled is compiled now; one that cannot is passed over
+            try:
+                nxt.ensure()
+                break
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                log.error("llm.decoder.failover_compile", target=nxt.label, reason=why)
+                if self.host is not None and nxt.plugin is not None:
+                    self.host.charge(nxt.plugin, "dspark_compile_decoder", why, device=nxt.device_id)
+                i += 1
+                nxt = self.targets[i + 1]
+        log.error("llm.decoder.failover", failed=failed.label, reason=reason, next=nxt.label)
+        self.failovers.append({"from": failed.label, "to": nxt.label, "reason": reason, "time": time.time()})
+        failed.release()
         if nxt.is_reference and getattr(self.reference, "is_weightless", False):
             if self.reference_loader is None:
                 raise RuntimeError(f"{failed.label} failed ({reason}) and the torch runner has no weights to run")

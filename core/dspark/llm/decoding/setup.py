@@ -40,13 +40,20 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
     cfg = engine.config
     if getattr(engine.runner, "is_weightless", False):
         return _setup_stored(engine)
-    packed = pack_runner(engine.runner, cfg.packed_linear)  # after quantization: float ones only
     why = why_torch_only(engine)
     if why is not None:
         if cfg.decoder not in ("auto", "torch"):
             log.warning("llm.decoder.choice", chosen="torch", reason=f"{cfg.decoder} asked for, but {why}")
-        return packed, None, cfg.page_size
+        return pack_runner(engine.runner, cfg.packed_linear), None, cfg.page_size  # after quantization: float ones only
     from dspark.llm.decoding.choose import choose_decoder
+
+    # The packed copies are the torch runner's own: made when it is timed or runs (or asked for with 'on'),
+    # not for a start where a compiled decoder wins and the torch runner's weights go.
+    packed: list[str] = [pack_runner(engine.runner, cfg.packed_linear)] if cfg.packed_linear != "auto" else []
+
+    def pack_reference(runner: Any) -> None:
+        if not packed:
+            packed.append(pack_runner(runner, cfg.packed_linear))
 
     plan = engine.quant_plan
     quant = None
@@ -56,9 +63,15 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
 
         quant = {lp.name: spec_for(lp) for lp in plan.layers if lp.precision != "float"}
     engine.runner, choice = choose_decoder(engine.runner, engine.model_path, cfg, host=engine.plugin_host,
-                                           inv=engine.inventory, quantization=quant, stored=stored)
+                                           inv=engine.inventory, quantization=quant, stored=stored,
+                                           load_reference=engine.load_torch_runner, prepare_reference=pack_reference)
     page = getattr(engine.runner, "block_size", None) or cfg.page_size
-    return packed, choice, page
+    if getattr(engine.runner, "current", None) is None:  # the torch runner runs the model
+        pack_reference(engine.runner)
+    from dspark.host import hostinfo
+
+    hostinfo.return_freed_memory()  # a compiled decoder won: the torch runner's weights were let go
+    return packed[0] if packed else "not packed: a compiled decoder runs the model", choice, page
 
 
 def place_other(engine: LLMEngine, runner: Any, path: Any, max_total_tokens: int) -> tuple[Any, DecoderChoice | None]:

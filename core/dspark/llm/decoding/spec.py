@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -86,19 +87,38 @@ def float_runner(path: Path, dtype: torch.dtype) -> ModelRunner:
     return ModelRunner.from_pretrained(str(path), dtype)
 
 
+class SpecWeights:
+    """A spec's ``weights_fn``: the runner's weights in the spec's layout (the float checkpoint's when the
+    runner was quantized). :meth:`from_disk` lets go of the runner: once a compiled decoder runs, a spec
+    compiled again (a failover target) reads its weights from the model file instead."""
+
+    def __init__(self, runner: ModelRunner, path: Path, quantized: bool) -> None:
+        self.runner: ModelRunner | None = runner
+        self.path, self.dtype, self.quantized = path, runner.dtype, quantized
+        self._float: ModelRunner | None = None  # the float checkpoint of a quantized runner, read on first use
+        self._load: Callable[[], ModelRunner] | None = None
+
+    def from_disk(self, load: Callable[[], ModelRunner]) -> None:
+        self.runner = self._float = None
+        self._load = load
+
+    def __call__(self) -> DecoderWeights:
+        if self._load is not None:
+            return weights_of(float_runner(self.path, self.dtype) if self.quantized else self._load())
+        if not self.quantized:
+            assert self.runner is not None
+            return weights_of(self.runner)
+        if self._float is None:
+            self._float = float_runner(self.path, self.dtype)
+        return weights_of(self._float)
+
+
 def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None = None,
               max_num_tokens: int = 512, max_num_seqs: int = 256,
               quantization: dict[str, QuantSpec] | None = None, extra_features: frozenset[str] = frozenset()) -> DecoderSpec:
     c = runner.cfg
     rope = runner.ropes[0]
-    source: list[ModelRunner] = []
-
-    def weights_fn() -> DecoderWeights:
-        if not quantization:
-            return weights_of(runner)
-        if not source:  # loaded once per spec, on first use
-            source.append(float_runner(path, runner.dtype))
-        return weights_of(source[0])
+    weights_fn = SpecWeights(runner, path, bool(quantization))
 
     def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = rope.cos_sin(torch.arange(n), torch.float32)
