@@ -21,6 +21,8 @@ Workloads (``--only``):
            hit by the same asyncio client (streaming ``/v1/completions`` with token-id prompts,
            ``ignore_eos``): output tokens/s over the wall time of the batch and the median time to the first
            streamed token
+  checkpoint  dspark alone on safetensors checkpoints (the embedded model; the 0.5B random one): the RSS a
+           started engine holds and its peak, against the checkpoint's weight bytes on disk
   spec     one request at a time, 128 new tokens, the code prompts of benchmarks/speculative.py: dspark
            serve with DeepSpec (its default drafters; the embedded draft model among them) against
            llama-server's draft-model speculation (``-md`` the same draft model, ``--spec-type draft-simple``,
@@ -169,6 +171,26 @@ def child_dspark_single(spec: dict[str, Any]) -> dict[str, Any]:
     n = sum(len(o) for o in outs)
     return {"tok_s": n / sum(times), "load_s": load, "peak_rss_mb": _rss_mb(), "base_rss_mb": base,
             "decoder": e.stats().decoder, "tokens": outs}
+
+
+def child_dspark_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
+    """dspark's start on a safetensors checkpoint (decoder=auto): what it holds once loaded, and at its peak."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from dspark.llm.engine import LLMEngine
+    from dspark.llm.sampling import SamplingParams
+
+    base = _rss_mb("VmRSS")
+    t0 = time.perf_counter()
+    e = LLMEngine(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
+    load = time.perf_counter() - t0
+    e.add_request("r", spec["warm"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    weights = sum(f.stat().st_size for f in Path(spec["file"]).glob("*.safetensors"))
+    return {"load_s": load, "peak_rss_mb": _rss_mb(), "rss_mb": _rss_mb("VmRSS"), "base_rss_mb": base,
+            "weight_mb": weights / 2**20, "decoder": e.stats().decoder, "dtype": str(e.runner.dtype)}
 
 
 def child_llamacpp_single(spec: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +372,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="single,serve8,serve32,spec")
+    ap.add_argument("--only", default="single,serve8,serve32,spec,checkpoint")
     ap.add_argument("--models", default=",".join(ROWS))
     ap.add_argument("--quick", action="store_true", help="a smoke test of the script, not a measurement")
     ap.add_argument("--child")
@@ -358,7 +380,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         spec = json.loads(Path(args.spec).read_text())
-        fn = {"dspark": child_dspark_single, "llamacpp": child_llamacpp_single}[args.child]
+        fn = {"dspark": child_dspark_single, "llamacpp": child_llamacpp_single,
+              "checkpoint": child_dspark_checkpoint}[args.child]
         print(json.dumps(fn(spec)))
         return
     prepare()
@@ -368,6 +391,14 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     for r in range(1 if args.quick else args.rounds):
         for w in work:
+            if w == "checkpoint":  # dspark alone: its memory against the checkpoint's weight bytes
+                for name, ckpt in (("embedded", MODELS / "stdlib-llama"), ("random-0.5b", _random_checkpoint())):
+                    res = run_child("checkpoint", {"file": str(ckpt), "warm": list(range(5, 69)),
+                                                   "threads": args.threads})
+                    results.setdefault(f"checkpoint/{name}", {}).setdefault("dspark", []).append(res)
+                    print(f"round {r + 1} checkpoint/{name}: " + ", ".join(
+                        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()), flush=True)
+                continue
             ps, warm, new = prompts(w, args.quick)
             for m in (["embedded-bf16"] if w == "spec" else models):
                 file = str(FILES / ROWS[m])
@@ -399,7 +430,10 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
              "dspark / peer RSS added by the model MB | dspark / peer load s | dspark decoder | greedy tokens equal |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     out: dict[str, Any] = {}
+    ckpt = [(k, v["dspark"]) for k, v in results.items() if k.startswith("checkpoint/")]
     for key, sides in results.items():
+        if key.startswith("checkpoint/"):
+            continue
         d, p = sides.get("dspark", []), next((v for k, v in sides.items() if k != "dspark"), [])
         a, b = med(d, "tok_s"), med(p, "tok_s")
         same = ""
@@ -417,6 +451,17 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
         ratio = f"{a / b:.2f}" if a and b else "-"
         lines.append(f"| {key} | {a or 0:.0f} | {b or 0:.0f} | {ratio} | {ttft} | {rss} | {added} | {load} | {dec} | {same} |")
         out[key] = {"dspark": d, "peer": p}
+    if ckpt:
+        lines += ["", "| checkpoint (safetensors) | weights on disk MB | dspark dtype | RSS added once loaded MB | "
+                  "peak RSS added MB | loaded / weight bytes | peak / weight bytes | load s | dspark decoder |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key, rows in ckpt:
+            w = rows[0]["weight_mb"]
+            held = statistics.median(x["rss_mb"] - x["base_rss_mb"] for x in rows)
+            peak = statistics.median(x["peak_rss_mb"] - x["base_rss_mb"] for x in rows)
+            lines.append(f"| {key} | {w:.0f} | {rows[0]['dtype']} | {held:.0f} | {peak:.0f} | {held / w:.2f} | "
+                         f"{peak / w:.2f} | {med(rows, 'load_s') or 0:.1f} | {rows[0]['decoder']} |")
+            out[key] = {"dspark": rows}
     print("\n".join(lines))
     (OUT / "vs_llamacpp.json").write_text(json.dumps({k: {s: [{kk: vv for kk, vv in x.items() if kk != "tokens"}
                                                              for x in v] for s, v in sides.items()}

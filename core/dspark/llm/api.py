@@ -158,6 +158,11 @@ def _is_ids(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
 
 
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncLLMEngine:
     """Steps the engine in one background thread; any number of asyncio tasks stream from it.
 
@@ -229,8 +234,22 @@ class AsyncLLMEngine:
                 for rid in rids:
                     self._deliver(rid, e)
                 continue
+            self._deliver_all(outs)
+
+    def _deliver_all(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each caller's event loop in one callback (one wake-up of the loop
+        per step, not one per request: each is a write to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
+        with self._lock:
             for out in outs:
-                self._deliver(out.request_id, out)
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # the caller's loop is gone
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -110,13 +110,16 @@ def _fake_quant_reference(path: Path, dtype: torch.dtype, quant: dict[str, Quant
     return ref
 
 
-def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, spec: DecoderSpec) -> str | None:
+def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, spec: DecoderSpec,
+           precision: str | None = None) -> str | None:
     """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half precision or
-    quantized: a few flips; a broken decoder is far off both)."""
+    quantized: a few flips; a broken decoder is far off both). ``precision``: what the bid said it computes
+    in (a BF16 GGUF file run as stored computes in bfloat16 whatever dtype the engine chose)."""
     bs = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
     r = compare(decoder, reference, prompt_lens=(5, 19), decode_steps=2, draft=3,
                 num_blocks=max(8, -(-64 // bs) * 3 + 4))
-    exact = spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
+    exact = (spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
+             and precision in (None, "float32"))
     tol, flips = (1e-2, 0.1) if exact else (1.0, 0.25)
     if r.max_abs_diff > tol or r.flip_rate > flips:
         return (f"its logits differ from the torch runner's by up to {r.max_abs_diff:.3g} with "
@@ -147,7 +150,7 @@ def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], M
             return str(out["missing"])
         assert t.compiled is not None
         try:
-            return _probe(t.compiled, load_reference(), spec)
+            return _probe(t.compiled, load_reference(), spec, t.precision)
         except Exception as exc:
             return f"the probe step raised {type(exc).__name__}: {exc}"
     disk.store(_PROBE_NAMESPACE, key, out)
@@ -162,7 +165,7 @@ def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
         if getattr(reference, "is_weightless", False):
             bad = _probe_isolated(t, spec, load_reference)
         else:
-            bad = _probe(t.compiled, reference, spec)
+            bad = _probe(t.compiled, reference, spec, t.precision)
     except Exception as exc:
         bad = f"the probe step raised {type(exc).__name__}: {exc}"
     if bad:
@@ -311,7 +314,7 @@ def _pending(bid: DecoderBid, dev: Device, host: PluginHost, spec: DecoderSpec) 
 
     return Target(f"{bid.plugin}@{bid.device_id}", bid.runtime, None, bid.plugin, dev.id,
                   exit_layers=bid.exit_layers, note=bid.note, any_block=bid.block_size is None or bid.kv == "sequence",
-                  make=make, kv=bid.kv, block=bid.block_size)
+                  make=make, kv=bid.kv, block=bid.block_size, precision=bid.precision)
 
 
 def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost, declined: list[dict[str, str]],
@@ -381,7 +384,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
             t.release()  # compiled again if it wins, or if a failover reaches it
             hostinfo.return_freed_memory()
         t.step_ms = dict(cached["step_ms"])
-        t.score = score(t.step_ms, cached["reference_ms"])
+        t.score = score(t.step_ms, cached["reference_ms"], sl, cfg.speculative.active)
         ref.step_ms = dict(cached["reference_ms"])
         out.append(t)
     ref.score = 1.0

@@ -66,6 +66,7 @@ class Target:
     kv: str = "paged"  # its bid's KV mode ("sequence": API 1.8), known before it is compiled
     block: int | None = None  # the KV block size it runs with: its bid's, or the one the engine gave it
     admitted: bool = False  # it passed the probe scenario in this process
+    precision: str | None = None  # what its bid said it computes in
 
     @property
     def is_reference(self) -> bool:

@@ -91,9 +91,37 @@ def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int =
     return out
 
 
-def score(step_ms: dict[str, float], reference: dict[str, float]) -> float:
-    """A target's cost: its mean step time relative to the reference's, over the shapes both ran."""
+# The request a target's score prices: this many prompt and output tokens. Per request the engine runs
+# OUTPUT decode steps and a few prefill chunks, so decode dominates a request's time (the torch runner on the
+# embedded model: 96% of it) and a runtime fast at prefill but slow at decode must not win on the average.
+NOMINAL_PROMPT, NOMINAL_OUTPUT = 256, 256
+
+
+def request_ms(step_ms: dict[str, float], shape_list: list[Shape], speculative: bool = False) -> float:
+    """The time of one nominal request in these step times: its prompt in prefill chunks, its output through
+    the decode shapes measured (each batch size an equal share of the tokens, a step of batch b giving b
+    of them), or with ``speculative``, half of it through k=8 verifications accepting 4 tokens each."""
+    decode = [s for s in shape_list if s.name.startswith("decode_") and s.name in step_ms]
+    prefill = [s for s in shape_list if s.name.startswith("prefill_") and s.name in step_ms]
+    verify = [s for s in shape_list if s.name.startswith("verify_") and s.name in step_ms]
+    plain = NOMINAL_OUTPUT / 2 if speculative and verify else NOMINAL_OUTPUT
+    t = sum(plain / len(decode) / s.seqs * step_ms[s.name] for s in decode) if decode else 0.0
+    t += sum(NOMINAL_PROMPT / s.rows / len(prefill) * step_ms[s.name] for s in prefill)
+    if speculative and verify:
+        t += sum((NOMINAL_OUTPUT - plain) / 4 / len(verify) * step_ms[s.name] for s in verify)
+    return t
+
+
+def score(step_ms: dict[str, float], reference: dict[str, float], shape_list: list[Shape] | None = None,
+          speculative: bool = False) -> float:
+    """A target's cost relative to the reference's: the nominal request's time in its step times over the
+    reference's (:func:`request_ms`), on the shapes both ran; without ``shape_list``, the mean step-time ratio."""
     common = [s for s in step_ms if s in reference and reference[s] > 0]
     if not common:
         return float("inf")
+    if shape_list is not None:
+        both = [s for s in shape_list if s.name in common]
+        ref = request_ms(reference, both, speculative)
+        if ref > 0:
+            return request_ms(step_ms, both, speculative) / ref
     return sum(step_ms[s] / reference[s] for s in common) / len(common)

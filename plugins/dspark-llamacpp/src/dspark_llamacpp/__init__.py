@@ -71,6 +71,13 @@ def _stored_types(path: str) -> dict[str, int]:
     return out
 
 
+def _precision(types: dict[str, int]) -> str:
+    """What a file's matrices compute in: a float type's products round the activations to it too."""
+    if set(types) - {"F32", "F16", "BF16"}:
+        return "as stored"
+    return "bfloat16" if "BF16" in types else "float16" if "F16" in types else "float32"
+
+
 def _kv_bytes_per_token(spec: DecoderSpec) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32 K and V
 
@@ -86,7 +93,7 @@ def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | Non
     if _is_gguf(decoder.path):
         types = _stored_types(decoder.path)
         stored = ", ".join(f"{k} x{v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
-        return DecoderBid(**base, precision="as stored", weight_bytes=Path(decoder.path).stat().st_size,
+        return DecoderBid(**base, precision=_precision(types), weight_bytes=Path(decoder.path).stat().st_size,
                           kv_bytes_per_token=_kv_bytes_per_token(decoder), note=f"GGUF as stored: {stored}")
     from dspark_llamacpp import convert
 
