@@ -1,0 +1,90 @@
+"""Where one engine step's time goes on a decoder target: the runtime's forward against each piece of host work.
+
+Usage: .venv/bin/python benchmarks/step_items.py FILE_OR_CHECKPOINT [--batch 1] [--decoder llamacpp] [--new 128]
+
+Runs ``--batch`` requests of 96 prompt tokens and ``--new`` greedy tokens each through ``LLMEngine`` (three
+runs after a warm-up) and prints, per step and as the median of the runs, the wall time and the time inside
+each wrapped piece: the scheduler, building the step's chunks, the runner (the plugin's compiled step, the
+watchdog's thread hand-off around it, building the batch, splitting the logits), sampling, appending tokens
+with the stop checks and detokenizing, and building the outputs. Pieces nest (``runner.step`` holds
+``thread+step``, which holds ``compiled.step``); each wrapper adds about a microsecond.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--decoder", default="llamacpp")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from dspark.llm import engine as em
+    from dspark.llm.decoding import runner as rm
+    from dspark.llm.engine import LLMEngine
+    from dspark.llm.sampling import SamplingParams
+
+    b = args.batch
+    e = LLMEngine(args.model, decoder=args.decoder, max_batch_size=b, max_total_tokens=2048 * max(1, b // 4))
+    acc: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, label: str | None = None) -> None:
+        f = getattr(obj, name)
+        key = label or name
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    for obj, name, label in [(e.scheduler, "schedule", None), (e, "_chunk", None), (e, "_append", None),
+                             (e, "_output", None), (e, "_sample", None), (em, "argmax_rows", None),
+                             (rm, "build_seq_batch", None), (rm, "build_batch", None), (rm, "split_logits", None),
+                             (rm.hook_threads, "call_with_timeout", "thread+step"), (e.runner, "step", "runner.step")]:
+        wrap(obj, name, label)
+    if getattr(e.runner, "current", None) is not None and e.runner.current.compiled is not None:
+        wrap(e.runner.current.compiled, "step", "compiled.step")
+    prompt = list(range(5, 101))
+
+    def run(new: int) -> tuple[float, int]:
+        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        for i in range(b):
+            e.add_request(f"r{time.time_ns()}-{i}", [p + i for p in prompt], params)
+        steps, t = 0, time.perf_counter()
+        while e.has_unfinished():
+            e.step()
+            steps += 1
+        return time.perf_counter() - t, steps
+
+    run(8)
+    per: dict[str, list[float]] = {}
+    for _ in range(3):
+        acc.clear()
+        wall, steps = run(args.new)
+        for k, v in acc.items():
+            per.setdefault(k, []).append(v / steps * 1e3)
+        per.setdefault("wall", []).append(wall / steps * 1e3)
+    print(f"{e.stats().decoder}, {b} at once, {args.new} new tokens: ms per step (median of 3 runs)")
+    for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+        print(f"  {k:16s} {statistics.median(v):.3f}")
+
+
+if __name__ == "__main__":
+    main()
