@@ -70,7 +70,7 @@ def setup_runner(engine: LLMEngine) -> tuple[Any, DecoderChoice | None, int]:
         pack_reference(engine.runner)
     from dspark.host import hostinfo
 
-    hostinfo.return_freed_memory()  # a compiled decoder won: the torch runner's weights were let go
+    hostinfo.return_freed_memory()  # what was let go: the targets timed, the torch runner's weights if one won
     return packed[0] if packed else "not packed: a compiled decoder runs the model", choice, page
 
 
