@@ -120,7 +120,6 @@ class _Faulty:
 
         class Faulty:
             kv_mode = "sequence"
-            owns_weights = True  # as llama.cpp's: the engine drops its torch copy, reloads it for the failover
 
             def allocate(self, n: int, seqs: int) -> Any:
                 return inner.allocate(n, seqs)
@@ -232,7 +231,7 @@ def test_what_llamacpp_cannot_run_is_declined_with_the_reason(checkpoint: Any) -
 
 
 def test_a_checkpoint_on_llamacpp_keeps_no_torch_copy_of_its_weights() -> None:
-    # llama.cpp reads its own GGUF of the checkpoint (owns_weights): the torch runner's copy is dropped.
+    # llama.cpp reads its own GGUF of the checkpoint: the torch runner's copy is dropped.
     e = _engine("llamacpp", max_batch_size=4)
     assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
     assert e.runner.reference.is_weightless and e.runner.reference_loader is not None

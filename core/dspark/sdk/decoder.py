@@ -251,9 +251,6 @@ class SequenceDecoder(Protocol):
     """
 
     kv_mode: Literal["sequence"]
-    # Optional: True when the decoder holds its own copy of the weights (it read the model file itself, as a
-    # GGUF runtime does): the engine then drops the torch runner's copy and reloads it from disk only for a
-    # failover. Leave it unset if the decoder keeps views of ``DecoderSpec.weights()``.
 
     def allocate(self, num_tokens: int, max_seqs: int) -> Any: ...
 

@@ -59,7 +59,7 @@ class Target:
     step_ms: dict[str, float] = field(default_factory=dict)  # measured per step shape
     exit_layers: bool = True
     note: str = ""
-    score: float = 1.0  # mean step time relative to the torch runner's (timing.score)
+    score: float = 1.0  # a nominal request's time relative to the torch runner's (timing.score)
     any_block: bool = False  # its bid took any KV block size: the engine may set compiled.block_size
     # A target compiled only when it must run (a failover target, one timed and released): compiles it.
     make: Callable[[], Any] | None = field(default=None, repr=False)

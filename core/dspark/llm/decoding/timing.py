@@ -112,16 +112,10 @@ def request_ms(step_ms: dict[str, float], shape_list: list[Shape], speculative: 
     return t
 
 
-def score(step_ms: dict[str, float], reference: dict[str, float], shape_list: list[Shape] | None = None,
+def score(step_ms: dict[str, float], reference: dict[str, float], shape_list: list[Shape],
           speculative: bool = False) -> float:
     """A target's cost relative to the reference's: the nominal request's time in its step times over the
-    reference's (:func:`request_ms`), on the shapes both ran; without ``shape_list``, the mean step-time ratio."""
-    common = [s for s in step_ms if s in reference and reference[s] > 0]
-    if not common:
-        return float("inf")
-    if shape_list is not None:
-        both = [s for s in shape_list if s.name in common]
-        ref = request_ms(reference, both, speculative)
-        if ref > 0:
-            return request_ms(step_ms, both, speculative) / ref
-    return sum(step_ms[s] / reference[s] for s in common) / len(common)
+    reference's (:func:`request_ms`), on the shapes both ran; inf when they share none."""
+    both = [s for s in shape_list if s.name in step_ms and reference.get(s.name, 0) > 0]
+    ref = request_ms(reference, both, speculative)
+    return request_ms(step_ms, both, speculative) / ref if ref > 0 else float("inf")

@@ -138,7 +138,6 @@ class LlamaDecoder:
     """A compiled decoder in API 1.8's sequence mode: each KV store is a llama.cpp context."""
 
     kv_mode = "sequence"
-    owns_weights = True  # llama.cpp holds the GGUF file's own weights: the engine need not keep its copy
 
     def __init__(self, model: Any, spec: DecoderSpec) -> None:
         self.model = model
