@@ -35,13 +35,14 @@ if TYPE_CHECKING:
     from dspark.llm import LLM, SamplingParams, optimize_model
     from dspark.llm.quantization import QuantizationConfig, QuantPlan
     from dspark.host.plugin_manager import PluginHost
+    from dspark.session import NodeArg, Session, SessionError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION", "TOLERANCES", "Bid", "DecoderBid", "Device", "Draft", "DraftRequest", "Drafter", "DrafterSpec", "Executable",
-    "Graph", "HardwareUnavailable", "Inventory", "LLM", "Op", "PluginHost", "PluginRecord", "PluginStatus",
-    "QuantPlan", "QuantSpec", "QuantizationConfig", "SamplingParams", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
+    "Graph", "HardwareUnavailable", "Inventory", "LLM", "NodeArg", "Op", "PluginHost", "PluginRecord", "PluginStatus",
+    "QuantPlan", "QuantSpec", "QuantizationConfig", "SamplingParams", "Session", "SessionError", "Subgraph", "TargetModel", "TensorSpec", "Unavailable", "hookimpl", "hookspec",
     "__version__", "import_jax", "optimize_model",
 ]
 
@@ -51,6 +52,7 @@ _LAZY = {
     "LLM": "dspark.llm", "SamplingParams": "dspark.llm", "optimize_model": "dspark.llm",
     "QuantizationConfig": "dspark.llm.quantization", "QuantPlan": "dspark.llm.quantization",
     "import_jax": "dspark.graph.jax_import",
+    "Session": "dspark.session", "SessionError": "dspark.session", "NodeArg": "dspark.session",
 }
 
 

@@ -50,6 +50,7 @@ from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
 from dspark.placement.plan import Plan
+from dspark.placement.plan_store import PlanStore
 from dspark.host.plugin_manager import PluginHost
 from dspark.sdk.calibration.observations import planning_beside
 
@@ -98,18 +99,25 @@ class AdaptiveRunner:
                  min_runs: int = 3, replan_every: int | None = None, alpha: float = 0.3,
                  free_memory: FreeMemory | None = None, table: placer.BidTable | None = None,
                  lock_by: Literal["device", "target"] = "device", warmup: bool = True,
-                 memory_every_s: float = 0.5, measure_close: bool = True, max_shapes: int = 4) -> None:
+                 memory_every_s: float = 0.5, measure_close: bool = True, max_shapes: int = 4,
+                 plans: PlanStore | None = None) -> None:
+        """``plans`` keeps plans across processes (:mod:`dspark.placement.plan_store`): a plan found there
+        for this graph (at its sizes) and these targets is compiled and run as is, with the corrections
+        measured beside it, and the bids are collected only when a re-plan needs them (a warm start);
+        every plan committed (placed, raced, re-planned, recovered) is handed back to it."""
         self.graph, self.host = graph, host
         self.inv = inv.model_copy(deep=True)  # free memory is updated in place on this copy
         self.threshold, self.min_runs, self.alpha = threshold, min_runs, alpha
         self.replan_every = replan_every or min_runs
         self.free_memory = free_memory or host_free_memory(self.inv)
         self.lock_by, self.warmup, self.memory_every_s, self.measure_close = lock_by, warmup, memory_every_s, measure_close
-        self.table = table or placer.collect_op_bids(host, self.inv, graph)
+        self._table = table  # collected when first needed: a warm start may never need it
+        self.plans = plans
+        kept = plans.load(graph, self.inv) if plans is not None else None
         self.replans: list[str] = []
         self.history: deque[RunRecord] = deque(maxlen=10_000)  # the runs learned from
         self._samples: deque[placer.Sample] = deque(maxlen=10_000)
-        self._ratio: dict[Key, float] = {}
+        self._ratio: dict[Key, float] = dict(kept.corrections) if kept is not None else {}
         self._swap, self._stats = threading.Lock(), threading.Lock()  # guard _active; ratios, records, counters
         self._adapting = threading.Lock()  # one re-plan at a time; others keep running
         self._recovering = threading.Lock()  # one recovery from a failed partition at a time
@@ -121,7 +129,8 @@ class AdaptiveRunner:
         self._checked: dict[Key, float] = {}  # the corrections the last re-plan check saw
         self._scored: list[tuple[str, Plan, list[PartCost]]] = []  # the placer's ranked plans, re-scorable
         self._refresh_memory()
-        self._active = self._install_fresh(version=0)
+        self.plan_source: Literal["kept", "planned"] = "planned"  # "kept": started on a plan from ``plans``
+        self._active = self._install_kept(kept.plan) if kept is not None else self._install_fresh(version=0)
         self._shapes: ShapeRouter[AdaptiveRunner] = ShapeRouter(graph, self._for_shape, max_entries=max_shapes,
                                                                 on_evict=lambda _k, r: r.close())
         self._home = self._shapes.probe
@@ -136,6 +145,16 @@ class AdaptiveRunner:
     @property
     def compiled(self) -> CompiledPlan:
         return self._active.compiled
+
+    @property
+    def table(self) -> placer.BidTable:
+        """Every target's bids for every op, collected on first use, corrected by the runs learned from."""
+        if self._table is None:
+            table = placer.collect_op_bids(self.host, self.inv, self.graph)
+            with self._stats:
+                table.correction.update(self._ratio)
+            self._table = table
+        return self._table
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once on the current plan, learn from the timings, maybe swap the plan for later runs.
@@ -184,7 +203,8 @@ class AdaptiveRunner:
         return AdaptiveRunner(graph, self.host, self.inv, threshold=self.threshold,
                               min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
                               free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
-                              memory_every_s=self.memory_every_s, measure_close=self.measure_close)
+                              memory_every_s=self.memory_every_s, measure_close=self.measure_close,
+                              plans=self.plans)
 
     def settle(self, timeout: float | None = 60.0) -> None:
         """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
@@ -259,9 +279,32 @@ class AdaptiveRunner:
             self._score(ranked, ratios)
             error = self._error()
             self._rivals = list(trial.close_rivals(ranked, error)) if self.measure_close else []
-            if not self._rivals:
+            if not self._rivals:  # decided by prediction; with rivals, the race decides and commits
                 active.plan.decision = trial.predicted(ranked[0], ranked[1] if len(ranked) > 1 else None, error)
+                self._committed(active.plan)
             return active
+
+    def _install_kept(self, plan: Plan) -> _Active:
+        """Install a plan made earlier; if it no longer compiles or runs, charge that and plan afresh."""
+        with self._stats:
+            ratios = dict(self._ratio)
+        try:
+            active = self._install(plan, ratios, version=0)
+            self.plan_source = "kept"
+            return active
+        except _StageFailed as failed:
+            self._drop(failed.exc, failed.stage)
+            return self._install_fresh(version=0)
+
+    def _committed(self, plan: Plan) -> None:
+        if self.plans is None:
+            return
+        with self._stats:
+            ratios = dict(self._ratio)
+        try:
+            self.plans.save(self.graph, self.inv, plan, ratios)
+        except Exception as exc:  # a store that fails loses a warm start, never a run
+            log.warning("adaptive.plan_not_kept", error=f"{type(exc).__name__}: {exc}")
 
     def _score(self, ranked: list[Plan], ratios: dict[Key, float]) -> None:
         """Keep the placer's ranked plans re-scorable under later corrections (see _rival_close)."""
@@ -318,6 +361,7 @@ class AdaptiveRunner:
                     self._active = winner
                 with self._stats:
                     self._backoff, self._next_check = 1, self.replan_every
+            self._committed(winner.plan)
         finally:
             self._racing.release()
 
@@ -390,8 +434,9 @@ class AdaptiveRunner:
         """Fold one measured / raw ratio into the corrections of the partition's op types (under _stats)."""
         for k, _ in part.keys:
             old = self._ratio.get(k)
-            self._ratio[k] = self.table.correction[k] = ratio if old is None else \
-                (1 - self.alpha) * old + self.alpha * ratio
+            self._ratio[k] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+            if self._table is not None:
+                self._table.correction[k] = self._ratio[k]
 
     def _rival_close(self, active: _Active) -> bool:
         """Whether a plan the placer ranked, re-scored under the current corrections, comes within the
@@ -492,6 +537,7 @@ class AdaptiveRunner:
             self._active = installed
         with self._stats:
             self._backoff, self._next_check = 1, self.replan_every
+        self._committed(new)
         moved = sorted({p.target.key for p in new.partitions})
         self.replans.append(f"{why} -> {', '.join(moved)}")
         log.info("adaptive.swap", reason=why, targets=moved, plan_s=round(plan_s, 3),
