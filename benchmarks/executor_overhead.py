@@ -10,6 +10,8 @@ medians of, all on the runner's own compiled model:
  - ``CompiledPlan.run`` (the executor);
  - ``AdaptiveRunner.run`` (the executor plus the cost model's online correction).
 Target (issue 21): the adaptive runner within 2% or 20 us of the executable.
+Then ``dspark.Session.run`` (issue 36: within 2% or 20 us), given the target's plugin alone so that its
+plan is one partition there, against that partition's executable called directly, interleaved alike.
 
 Then the overhead itemised, twice, in microseconds per run:
  - warm: with a null executable (returns its outputs without computing), so
@@ -164,7 +166,34 @@ def bench(name: str, target: str, runs: int) -> dict[str, Any]:
             mock.patch.dict(os.environ, {"DSPARK_CACHE_DIR": tmp}):
         _itemise(row, compiled, runner, graph, exe, pid, direct, feeds, runs)
     runner.close()
+    row.update(_session(graph, feeds, target, runs))
     return row
+
+
+def _session(graph: Any, feeds: dict[str, np.ndarray], target: str, runs: int) -> dict[str, Any]:
+    """``dspark.Session.run`` against its own plan's executable, the Session given the target's plugin alone
+    (so its plan is one partition there: the best single runtime when that is the target)."""
+    from dspark.host.plugin_manager import PluginHost
+    from dspark.host.settings import PluginSettings
+    from dspark.session import Session
+
+    plugin = target.split("@")[0]
+    host = PluginHost(PluginSettings(allowed={plugin})).load()
+    with Session(graph, host=host, plan_cache=False, measure_close=False) as session:
+        plan = session.plan
+        if len(plan.partitions) != 1:
+            return {"session_note": f"the session's plan has {len(plan.partitions)} partitions: not timed"}
+        for _ in range(20):
+            session.run(None, feeds)
+        compiled = session.compiled
+        pid = plan.partitions[0].id
+        exe = compiled.executables[pid]
+        direct = {k: np.ascontiguousarray(feeds[k]) for k in compiled._io[pid][0]}
+        times = interleaved({"session_executable_us": lambda: exe.run(direct),
+                             "session_us": lambda: session.run(None, feeds)}, runs)
+    times["session_over_us"] = times["session_us"] - times["session_executable_us"]
+    times["session_ratio"] = times["session_us"] / times["session_executable_us"]
+    return times
 
 
 def _itemise(row: dict[str, Any], compiled: Any, runner: Any, graph: Any, exe: Any, pid: int,
@@ -235,6 +264,13 @@ def main() -> None:
         print(f"{r['model']:<20}{r['ops']:>5}{r['executable_us']:>15.1f}{r['control_us']:>12.1f}"
               f"{r['compiled_plan_us']:>10.1f}{r['adaptive_us']:>13.1f}{r['adaptive_over_us']:>13.1f}"
               f"{r['adaptive_ratio']:>8.3f}")
+    print(f"\n{'model':<20}{'executable us':>15}{'dspark.Session us':>19}{'overhead us':>13}{'ratio':>8}")
+    for r in rows:
+        if "session_us" in r:
+            print(f"{r['model']:<20}{r['session_executable_us']:>15.1f}{r['session_us']:>19.1f}"
+                  f"{r['session_over_us']:>13.1f}{r['session_ratio']:>8.3f}")
+        else:
+            print(f"{r['model']:<20}{r['session_note']}")
     print(f"control: the executable, then a {CONTROL_US} us busy wait; its distance from 'executable' beyond "
           f"{CONTROL_US} us is this machine's noise between interleaved blocks")
     print("\nitemised, us per run (null executable, warm caches):")

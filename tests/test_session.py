@@ -251,3 +251,28 @@ def test_a_torch_module_with_example_inputs(machine: Any, store: DiskPlanStore) 
 
 def test_session_is_exported_from_the_package() -> None:
     assert dspark.Session is Session and dspark.SessionError is SessionError
+
+
+def test_the_readmes_python_api_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    snippet = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
+    assert "dspark.Session(" in snippet
+    # The example's model: an image classifier with an input named "input" and an output named "logits".
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["input", "w"], ["c"], kernel_shape=[3, 3], strides=[4, 4]),
+         helper.make_node("Relu", ["c"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+         helper.make_node("Flatten", ["p"], ["f"]), helper.make_node("Gemm", ["f", "fc"], ["logits"])],
+        "classifier", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((4, 10)).astype(np.float32), "fc")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10),
+              tmp_path / "model.onnx")
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {}
+    exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    assert scope["logits"].shape == (1, 10)
+    np.testing.assert_allclose(scope["future"].result(timeout=60)[0], scope["logits"], rtol=RTOL, atol=ATOL)
+    scope["session"].close()
