@@ -104,6 +104,18 @@ def test_a_linen_module_and_a_plain_jax_function(real: tuple[PluginHost, Invento
     assert_matches_jax(planned_run(graph, real, {"x": a, "w": w})[graph.outputs[0]], flax_zoo.gated(a, w))
 
 
+def test_a_session_takes_a_plain_jax_function(real: tuple[PluginHost, Inventory]) -> None:
+    host, inv = real
+    rng = np.random.default_rng(4)
+    a, w = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((6, 3)).astype(np.float32)
+    with dspark.Session(flax_zoo.gated, example_inputs=(a, w), dynamic={"x": {0: "rows"}}, host=host,
+                        inventory=inv, plan_cache=False) as session:
+        assert [(i.name, i.shape) for i in session.get_inputs()] == [("x", ["rows", 6]), ("w", [6, 3])]
+        b = rng.standard_normal((9, 6)).astype(np.float32)  # another row count than the example's
+        (got,) = session.run(None, {"x": b, "w": w})
+        assert_matches_jax(got, flax_zoo.gated(b, w))
+
+
 def test_jax_models_are_told_apart_without_calling_them() -> None:
     module, _, _ = flax_zoo.mlp()
     assert is_jax_model(module) and not is_jax_model(flax_zoo.gated) and not is_jax_model(flax_zoo.MLP)
