@@ -102,8 +102,10 @@ def test_a_warm_start_runs_the_kept_plan_without_planning(model: Any, machine: A
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     path, w = model
     x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32)
+    x16 = np.random.default_rng(4).standard_normal((16, 16)).astype(np.float32)  # another size bucket
     with session(path, machine, store) as first:
         first.run(None, {"x": x})  # a race between close plans, if any, happens here and is kept
+        first.run(None, {"x": x16})
         first.runner.settle()
         chosen, source = first.plan.assignment(), first.plan_source
     assert source == "planned"
@@ -117,6 +119,8 @@ def test_a_warm_start_runs_the_kept_plan_without_planning(model: Any, machine: A
         assert warm.plan_source == "kept"
         assert warm.plan.assignment() == chosen
         np.testing.assert_allclose(warm.run(None, {"x": x})[0], expected(x, w), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(warm.run(None, {"x": x16})[0], expected(x16, w), rtol=RTOL, atol=ATOL)
+        assert any("ran the plan kept for them" in r for r in warm.replans), warm.replans
 
 
 def test_another_model_or_other_devices_plan_afresh(model: Any, machine: Any, store: DiskPlanStore,

@@ -198,13 +198,15 @@ class AdaptiveRunner:
 
     def _for_shape(self, key: BucketKey, graph: Graph) -> AdaptiveRunner:
         home = dict(self._shapes.home)
-        self.replans.append(f"input sizes {dict(key)} are outside the plan's {home}: re-bid and re-planned at them")
-        log.info("adaptive.shape_bucket", bucket=dict(key), home=home)
-        return AdaptiveRunner(graph, self.host, self.inv, threshold=self.threshold,
-                              min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
-                              free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
-                              memory_every_s=self.memory_every_s, measure_close=self.measure_close,
-                              plans=self.plans)
+        runner = AdaptiveRunner(graph, self.host, self.inv, threshold=self.threshold,
+                                min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
+                                free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
+                                memory_every_s=self.memory_every_s, measure_close=self.measure_close,
+                                plans=self.plans)
+        how = "ran the plan kept for them" if runner.plan_source == "kept" else "re-bid and re-planned at them"
+        self.replans.append(f"input sizes {dict(key)} are outside the plan's {home}: {how}")
+        log.info("adaptive.shape_bucket", bucket=dict(key), home=home, plan_source=runner.plan_source)
+        return runner
 
     def settle(self, timeout: float | None = 60.0) -> None:
         """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
