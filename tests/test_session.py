@@ -20,7 +20,7 @@ from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.placement import placer
-from dspark.placement.plan_store import DiskPlanStore
+from dspark.placement.adaptive.plan_store import DiskPlanStore
 from dspark.session import Session, SessionError
 from dspark.types import Bid, Device
 

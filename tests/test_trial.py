@@ -16,7 +16,8 @@ from dspark.graph.model import Graph, Subgraph
 from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
-from dspark.placement import placer, trial
+from dspark.placement import placer
+from dspark.placement.adaptive import trial
 from dspark.placement.adaptive import AdaptiveRunner
 from dspark.placement.executor import random_inputs, reference_outputs
 from dspark.placement.plan import Plan

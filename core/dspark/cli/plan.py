@@ -180,7 +180,7 @@ def _choose(graph: Graph, host: PluginHost, inv: Inventory, ranked: list[Plan],
             feeds: dict[str, np.ndarray] | None, what: str) -> Plan:
     """The plan to keep: given ``feeds``, close rivals raced on real runs of them; else the predicted
     best, its decision naming the rivals that a measurement could decide between."""
-    from dspark.placement import trial
+    from dspark.placement.adaptive import trial
     from dspark.placement.executor import compile_plan
 
     if feeds is not None:

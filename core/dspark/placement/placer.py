@@ -179,7 +179,7 @@ def candidates(graph: Graph, host: PluginHost, inv: Inventory, *, table: BidTabl
                time_limit_s: float = 20.0) -> list[Plan]:
     """The plan :func:`plan` picks, then its rivals (the solver's split and every single target
     that can run the whole model within its budget) from predicted fastest to slowest: what a
-    measured choice between close bids (:mod:`dspark.placement.trial`) picks from."""
+    measured choice between close bids (:mod:`dspark.placement.adaptive.trial`) picks from."""
     table = table or collect_op_bids(host, inv, graph)
     by_key = {target_key(t): t for t in table.targets}
     for op in graph.ops:

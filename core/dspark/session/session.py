@@ -7,7 +7,7 @@ the adaptive runner (:mod:`dspark.placement.adaptive`), which corrects the
 cost model from measured runs, re-plans when a device fills up or another
 plan becomes clearly faster, and plans around a partition whose plugin fails.
 The plan committed is kept on disk per model fingerprint and device inventory
-(:mod:`dspark.placement.plan_store`), so a warm start compiles that plan
+(:mod:`dspark.placement.adaptive.plan_store`), so a warm start compiles that plan
 without bidding or planning again.
 
 Thread safety: ``run`` may be called from any number of threads at once (as
@@ -32,7 +32,7 @@ from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.placement.adaptive import AdaptiveRunner
 from dspark.placement.plan import Plan
-from dspark.placement.plan_store import DiskPlanStore, PlanStore
+from dspark.placement.adaptive.plan_store import DiskPlanStore, PlanStore
 from dspark.session.metadata import NodeArg
 
 if TYPE_CHECKING:

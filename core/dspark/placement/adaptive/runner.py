@@ -1,36 +1,4 @@
-"""Adaptive execution: measured latency corrects the cost model, and the plan follows.
-
-Runs record each partition's measured latency (every run of a plan's first
-LEARN_ALL, then one in LEARN_EVERY: the hot path stays lean). Per (plugin, device, op
-type) an exponentially weighted average of measured / predicted is kept and
-written into the bid table's ``correction`` factors; a partition's ratio is
-given to each op type it holds, since one measurement cannot tell its ops
-apart. The average is fed the median of the last few ratios, so one run
-slowed by a neighbour process does not swing the model. Every few runs
-(fewer and fewer while nothing changes) the placer runs again on the
-corrected table, in a background thread; when the new plan is predicted
-faster than the current one (both under the corrected model) by more than
-the model's error, or when a device's free memory (looked at on the runs
-learned from, at most every ``memory_every_s``) drops below what the current plan keeps there, the new
-plan is compiled, warmed up and swapped in between runs: a run in flight
-finishes on the plan it started with, and callers never wait for a re-plan.
-Nothing per run walks the graph: spans become corrections through keys
-computed once per installed plan.
-
-Plans predicted within the cost model's error of each other are not chosen
-by prediction: the first run (and, when corrections bring a new plan that
-close to the current one, the next run) races them on the caller's inputs
-(:mod:`dspark.placement.trial`) and the measured fastest is committed. Once a
-race has run, its laps corrected the model, so a later rival must be
-predicted faster than the current plan to be raced: each race costs the
-caller's time, and a split one partition away from a measured loser is not
-news.
-
-A partition whose compile or run fails is charged to its plugin (see
-:mod:`dspark.host.faults`), its target's bids for those ops leave the bid
-table, and the runner re-plans and goes on: a long-running process does not
-lose a runtime, or stop, because one subgraph would not compile or run.
-"""
+"""The adaptive runner: see the package docstring (:mod:`dspark.placement.adaptive`)."""
 
 from __future__ import annotations
 
@@ -42,7 +10,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from dspark.placement import placer, trial
+from dspark.placement import placer
+from dspark.placement.adaptive import trial
 from dspark.placement.placer import FreeMemory, PartCost, host_free_memory, over_budget
 from dspark.placement.shapes import BucketKey, ShapeRouter
 from dspark.placement.executor import CompiledPlan, PartitionFailed, Span, compile_plan, random_inputs
@@ -50,47 +19,13 @@ from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
 from dspark.placement.plan import Plan
-from dspark.placement.plan_store import PlanStore
+from dspark.placement.adaptive.plan_store import PlanStore
+from dspark.placement.adaptive.records import (LEARN_ALL, LEARN_EVERY, RECHECK_DRIFT, Active, Key, RunRecord,
+                                              StageFailed)
 from dspark.host.plugin_manager import PluginHost
 from dspark.sdk.calibration.observations import planning_beside
 
 log = get_logger("dspark.placement.adaptive")
-
-Key = tuple[str, str, str]  # (plugin, device id, op type)
-RECHECK_DRIFT = 0.25  # a re-plan check runs the placer only once a correction moved this much
-# Learning (and the look at free memory) is sampled: every run of a plan's first LEARN_ALL, then one in
-# LEARN_EVERY. A learned run costs tens of us after the runtime's compute (docs/benchmarks.md, "Per-run
-# overhead"): sampled more often, such runs move the median run.
-LEARN_ALL, LEARN_EVERY = 32, 128
-
-
-@dataclass
-class RunRecord:
-    """One run learned from (see LEARN_EVERY): which plan served it, and per partition (predicted ms at
-    the time, measured ms)."""
-
-    index: int
-    plan_version: int
-    total_ms: float  # first partition start to last partition end
-    partitions: dict[int, tuple[float, float]]
-
-
-@dataclass
-class _Active:
-    version: int
-    plan: Plan
-    compiled: CompiledPlan
-    parts: list[PartCost]
-    runs: int = 0
-
-
-class _StageFailed(Exception):
-    """A partition failed while installing a plan: at compile or at the warm-up run."""
-
-    def __init__(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
-        super().__init__(str(exc))
-        self.exc, self.stage = exc, stage
-
 
 class AdaptiveRunner:
     """Plan, compile and run ``graph``; correct the cost model from measurements and re-plan."""
@@ -101,7 +36,7 @@ class AdaptiveRunner:
                  lock_by: Literal["device", "target"] = "device", warmup: bool = True,
                  memory_every_s: float = 0.5, measure_close: bool = True, max_shapes: int = 4,
                  plans: PlanStore | None = None) -> None:
-        """``plans`` keeps plans across processes (:mod:`dspark.placement.plan_store`): a plan found there
+        """``plans`` keeps plans across processes (:mod:`dspark.placement.adaptive.plan_store`): a plan found there
         for this graph (at its sizes) and these targets is compiled and run as is, with the corrections
         measured beside it, and the bids are collected only when a re-plan needs them (a warm start);
         every plan committed (placed, raced, re-planned, recovered) is handed back to it."""
@@ -124,7 +59,7 @@ class AdaptiveRunner:
         self._racing = threading.Lock()  # one race between close plans at a time
         self._background: threading.Thread | None = None
         self._runs, self._next_check, self._next_memory, self._backoff = 0, self.replan_every, 0.0, 1
-        self._rivals: list[Plan | _Active] = []  # close plans to race on the next caller's inputs
+        self._rivals: list[Plan | Active] = []  # close plans to race on the next caller's inputs
         self._raced: set[frozenset[str]] = set()  # pairs of assignments already raced
         self._checked: dict[Key, float] = {}  # the corrections the last re-plan check saw
         self._scored: list[tuple[str, Plan, list[PartCost]]] = []  # the placer's ranked plans, re-scorable
@@ -268,14 +203,14 @@ class AdaptiveRunner:
         log.warning("adaptive.partition_failed", stage=stage, partition=part.id, target=part.target.key,
                     reason=str(cause))
 
-    def _install_fresh(self, version: int) -> _Active:
+    def _install_fresh(self, version: int) -> Active:
         """Plan and install, planning around partitions that fail (each failure drops at least one bid);
         rivals predicted within the model's error are left to race on the first caller's inputs."""
         while True:
             ranked, ratios = self._ranked()
             try:
                 active = self._install(ranked[0], ratios, version=version)
-            except _StageFailed as failed:
+            except StageFailed as failed:
                 self._drop(failed.exc, failed.stage)
                 continue
             self._score(ranked, ratios)
@@ -286,7 +221,7 @@ class AdaptiveRunner:
                 self._committed(active.plan)
             return active
 
-    def _install_kept(self, plan: Plan) -> _Active:
+    def _install_kept(self, plan: Plan) -> Active:
         """Install a plan made earlier; if it no longer compiles or runs, charge that and plan afresh."""
         with self._stats:
             ratios = dict(self._ratio)
@@ -294,7 +229,7 @@ class AdaptiveRunner:
             active = self._install(plan, ratios, version=0)
             self.plan_source = "kept"
             return active
-        except _StageFailed as failed:
+        except StageFailed as failed:
             self._drop(failed.exc, failed.stage)
             return self._install_fresh(version=0)
 
@@ -320,16 +255,16 @@ class AdaptiveRunner:
             rivals, self._rivals = self._rivals, []
             with self._swap:
                 current = self._active
-            installed: list[_Active] = []
+            installed: list[Active] = []
             with self._stats:
                 ratios = dict(self._ratio)
             for rival in rivals:
-                if isinstance(rival, _Active):
+                if isinstance(rival, Active):
                     installed.append(rival)
                     continue
                 try:
                     installed.append(self._install(rival, ratios, version=current.version + 1))
-                except _StageFailed as failed:
+                except StageFailed as failed:
                     self._drop(failed.exc, failed.stage)
             contenders = [current, *installed]
             for a in installed:
@@ -367,7 +302,7 @@ class AdaptiveRunner:
         finally:
             self._racing.release()
 
-    def _recover(self, failed: _Active, exc: PartitionFailed) -> None:
+    def _recover(self, failed: Active, exc: PartitionFailed) -> None:
         with self._recovering:
             if self._active is not failed:
                 return  # another caller recovered already; run again on its plan
@@ -376,20 +311,20 @@ class AdaptiveRunner:
             with self._swap:
                 self._active = installed
 
-    def _install(self, plan: Plan, ratios: dict[Key, float], version: int) -> _Active:
+    def _install(self, plan: Plan, ratios: dict[Key, float], version: int) -> Active:
         try:
             compiled = compile_plan(self.graph, plan, self.host, self.inv, lock_by=self.lock_by)
         except PartitionFailed as exc:
-            raise _StageFailed(exc, "compile") from exc
+            raise StageFailed(exc, "compile") from exc
         if self.warmup:  # first calls pay one-off costs (allocation, kernel selection)
             try:
                 compiled.run_timed(random_inputs(self.graph))
             except PartitionFailed as exc:
                 compiled.close()
-                raise _StageFailed(exc, "run") from exc
-        return _Active(version=version, plan=plan, compiled=compiled, parts=placer.part_costs(self.graph, plan, ratios))
+                raise StageFailed(exc, "run") from exc
+        return Active(version=version, plan=plan, compiled=compiled, parts=placer.part_costs(self.graph, plan, ratios))
 
-    def _observe(self, active: _Active, spans: dict[int, Span]) -> str | None:
+    def _observe(self, active: Active, spans: dict[int, Span]) -> str | None:
         """Update the corrections from one run; return why to re-plan, if it is time to."""
         ratios = self._ratio
         # A re-plan compiling beside this run slows it: such spans would teach the model contention.
@@ -424,7 +359,7 @@ class AdaptiveRunner:
                 self._backoff = min(self._backoff * 2, 64)
         return None
 
-    def _memory_due(self, active: _Active) -> str | None:
+    def _memory_due(self, active: Active) -> str | None:
         """Why to re-plan for memory, when a look (costly: at most every memory_every_s) finds it (under _stats)."""
         now = time.monotonic()
         if now < self._next_memory or active is not self._active:
@@ -440,7 +375,7 @@ class AdaptiveRunner:
             if self._table is not None:
                 self._table.correction[k] = self._ratio[k]
 
-    def _rival_close(self, active: _Active) -> bool:
+    def _rival_close(self, active: Active) -> bool:
         """Whether a plan the placer ranked, re-scored under the current corrections, comes within the
         model's error of the current one (under _stats): only then is the placer worth running again.
         Once a race was run, its laps corrected the model: a rival must then be predicted faster."""
@@ -478,11 +413,11 @@ class AdaptiveRunner:
             for d in entry.drivers:
                 d.memory_free_bytes = free
 
-    def _memory_problems(self, active: _Active) -> list[str]:
+    def _memory_problems(self, active: Active) -> list[str]:
         self._refresh_memory()
         return over_budget(self.graph, active.plan, self.inv)
 
-    def _corrected_total(self, active: _Active) -> float:
+    def _corrected_total(self, active: Active) -> float:
         with self._stats:
             ratios = dict(self._ratio)
         return placer.corrected_total(active.plan, active.parts, ratios)
@@ -515,7 +450,7 @@ class AdaptiveRunner:
             # A swap is a measured choice: the two race on the next caller's inputs.
             try:
                 rival = self._install(new, ratios, version=active.version + 1)
-            except _StageFailed as failed:
+            except StageFailed as failed:
                 self._drop(failed.exc, failed.stage)
                 return False
             self._raced.add(pair)
@@ -531,7 +466,7 @@ class AdaptiveRunner:
                                      f"plan {current:.3f} ms ({1 - new.predicted_total_ms / current:.0%} less)")
         try:
             installed = self._install(new, ratios, version=active.version + 1)
-        except _StageFailed as failed:
+        except StageFailed as failed:
             self._drop(failed.exc, failed.stage)  # the next check plans without that bid
             return False
         new.decision = f"re-planned ({reason}): {why}"

@@ -21,7 +21,7 @@ from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
 from dspark.placement.plan import Plan, Target, graph_fingerprint, hardware_fingerprint
 
-log = get_logger("dspark.placement.plan_store")
+log = get_logger("dspark.placement.adaptive.plan_store")
 
 NAMESPACE = "plans"
 Key = tuple[str, str, str]  # (plugin, device id, op type): the adaptive runner's correction keys
