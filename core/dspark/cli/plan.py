@@ -138,6 +138,9 @@ def plan_cmd(
     devices: Annotated[Path | None, typer.Option(
         "--devices", metavar="FILE", help="Plan for a device profile (YAML) instead of this machine.")] = None,
     save: Annotated[Path | None, typer.Option("--save", metavar="PLAN.json", help="Write the plan here.")] = None,
+    html: Annotated[Path | None, typer.Option(
+        "--html", metavar="OUT.html", help="Draw the plan: the graph coloured by target, partition by partition, "
+                                           "in one self-contained HTML page written here.")] = None,
     measure: Annotated[bool, typer.Option(
         "--measure", help="Race plans predicted within the cost model's error of the best on real runs "
                           "(random inputs, or --inputs) and keep the measured fastest.")] = False,
@@ -165,7 +168,11 @@ def plan_cmd(
             plan = _choose(graph, host, inv, ranked, feeds, what)
         if save is not None:
             plan.save(save)
+        if html is not None:
+            _write_html(graph, plan, html)
         if as_json:
+            if html is not None:  # stdout stays the JSON
+                err.print(f"wrote {escape(str(html))}", soft_wrap=True)
             # "plugins" (every plugin's status and failures) is for people and tools; --save keeps the plan only.
             print(json.dumps({**plan.to_json_dict(), "plugins": faults_json(host.records.values())}, indent=2))
             return
@@ -174,6 +181,17 @@ def plan_cmd(
         _warn_memory(graph, plan, inv)
         if save is not None:
             out.print(f"saved to {escape(str(save))}")
+        if html is not None:
+            out.print(f"wrote {escape(str(html))}", soft_wrap=True)
+
+
+def _write_html(graph: Graph, plan: Plan, path: Path) -> None:
+    from dspark.placement.picture import render_plan_html
+
+    try:
+        path.write_text(render_plan_html(graph, plan), encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _choose(graph: Graph, host: PluginHost, inv: Inventory, ranked: list[Plan],
