@@ -7,8 +7,6 @@ middleware (CORS, body size limit, request counting, observability).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,7 +21,7 @@ from dspark.server.api.completions import add_completion_routes
 from dspark.server.api.errors import ERRORS, install_error_handlers
 from dspark.server.api.generation import Generation
 from dspark.server.api.state import ServerState
-from dspark.server.limits import BodySizeLimit
+from dspark.server.limits import BodySizeLimit, bearer_ok
 from dspark.server.metrics import ServerMetrics
 from dspark.server.observability import Observability, RequestObservability, start_stats_logger
 from dspark.server.protocol.openai_schema import APIError, ModelCard, ModelList, VersionResponse
@@ -103,11 +101,7 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     async def check_key(request: Request) -> None:
         if state.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Hash both sides first so the comparison time depends on neither length nor content.
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            hashlib.sha256(token.strip().encode()).digest(), hashlib.sha256(state.api_key.encode()).digest())
-        if not ok:
+        if not bearer_ok(request.headers.get("authorization"), state.api_key):
             raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY').",
                            code="invalid_api_key")
 

@@ -264,31 +264,35 @@ def _set(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[leaf] = value
 
 
-def format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError, docs: str = "docs/server.md") -> str:
     lines = []
     for err in exc.errors():
         where = ".".join(str(x) for x in err["loc"]) or "(top level)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see docs/server.md for the accepted keys)"
+            msg = f"unknown field (check the spelling; see {docs} for the accepted keys)"
         lines.append(f"{where}: {msg}")
     return "\n".join(lines)
 
 
+def read_yaml_mapping(path: str | Path,
+                      sections: str = "model/server/engine/resources/observability/cluster") -> dict[str, Any]:
+    """A config file's top-level mapping ({} for an empty file); ConfigError naming the file otherwise."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping with {sections} sections, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
     """Read ``path`` (None = all defaults), apply ``overrides`` (flag name -> value, None = unset), validate."""
-    raw: Any = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {p}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: expected a mapping with model/server/engine/resources/observability/cluster sections, "
-                              f"got {type(raw).__name__}")
+    raw: Any = read_yaml_mapping(path) if path is not None else {}
     for flag, value in (overrides or {}).items():
         if value is not None:
             _set(raw, OVERRIDES[flag], value)

@@ -8,12 +8,18 @@ uvicorn's own shutdown run (connections closed, the app's lifespan shutdown,
 which stops the engine and frees the KV cache), so nothing is cut mid-write
 and no task is cancelled from outside. A second signal skips the rest of the
 drain.
+
+The state it drains is any object with a ``draining`` flag and a ``groups``
+collection of open requests, each with a ``shutdown()`` that ends it in-band;
+``on_drain`` (optional) is called once as the drain starts, in the event loop,
+for whatever else a server has to stop accepting (the OIP server's gRPC port).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -27,9 +33,10 @@ FLUSH_S = 2.0  # after ending the remaining streams, how long their last events 
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: Any, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: Any, drain_s: float,
+                 on_drain: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self.state, self.drain_s = state, drain_s
+        self.state, self.drain_s, self.on_drain = state, drain_s, on_drain
         self._signals = 0
         self._drain: asyncio.Task[None] | None = None
         self._skip = asyncio.Event()  # set by a second signal: end the drain now
@@ -50,6 +57,8 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         state = self.state
         state.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
         for srv in getattr(self, "servers", []):
             srv.close()  # stop accepting; open connections are left to finish
         open_ = len(state.groups)
