@@ -20,6 +20,9 @@ The models:
   fixed seed) on a 128-token prefill.
 - A ResNet-18-shaped CNN with random weights, defined here (PyPI's
   torchvision does not import beside the CPU build of torch on these machines).
+- ``resnet50`` and ``vit`` (in :data:`SERVING_MODELS`, which benchmarks/serve_oip.py serves): the
+  standard bottleneck ResNet-50 (non-trivial BatchNorm statistics) and a DeiT-small-shaped ViT (224x224,
+  patch 16, hidden 384, 12 blocks, 6 heads, MLP 1536), random weights, input (batch, 3, 224, 224).
 - ``vit-tiny``: a small vision transformer (8x8 patch-embedding conv, class
   token, 4 pre-LayerNorm encoder blocks, hidden 128, 4 heads, GELU MLP),
   random weights, batch 2 at 64x64.
@@ -142,6 +145,59 @@ def resnet18(size: int = 224) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1)),)
 
 
+class _Bottleneck(nn.Module):
+    """ResNet-50's block (torchvision's "v1.5": the stride on the 3x3 conv): 1x1 down, 3x3, 1x1 up by 4."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.c1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(width)
+        self.c2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(width)
+        self.c3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.b3 = nn.BatchNorm2d(cout)
+        self.down: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b1(self.c1(x)))
+        y = torch.relu(self.b2(self.c2(y)))
+        return torch.relu(self.b3(self.c3(y)) + self.down(x))
+
+
+class ResNet50(nn.Module):
+    """The standard bottleneck ResNet-50 (He et al. 2016; 3, 4, 6, 3 blocks of widths 64-512), 25.6M
+    parameters, the same layers as torchvision's ``resnet50``."""
+
+    def __init__(self, classes: int = 1000, blocks: tuple[int, ...] = (3, 4, 6, 3)) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers: list[nn.Module] = []
+        cin = 64
+        for i, (width, n) in enumerate(zip((64, 128, 256, 512), blocks, strict=True)):
+            for j in range(n):
+                layers.append(_Bottleneck(cin, width, 2 if i and not j else 1))
+                cin = width * _Bottleneck.expansion
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet50(batch: int = 1, size: int = 224) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = ResNet50().eval()
+    _nontrivial_bn(model)
+    return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)),)
+
+
 def _nontrivial_bn(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -216,6 +272,14 @@ class ViT(nn.Module):
 def vit_tiny(batch: int = 2, size: int = 64) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     model = ViT(size=size).eval()
+    return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)),)
+
+
+def deit_small(batch: int = 1, size: int = 224) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """DeiT-small's shape (Touvron et al. 2021; ViT-S/16): 224x224, patch 16, hidden 384, 12 blocks, 6 heads,
+    MLP 1536, 22M parameters; random weights."""
+    torch.manual_seed(0)
+    model = ViT(size=size, patch=16, dim=384, depth=12, heads=6, mlp=1536).eval()
     return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)),)
 
 
@@ -332,6 +396,11 @@ MODELS: dict[str, Any] = {
     "mobilenetv2-opset9": mobilenetv2_opset9, "conv-maxpoolceil-conv": conv_maxpoolceil_conv,
     "evit-tiny-topk": evit_tiny_topk,
 }
+
+
+# Image classifiers at serving size (benchmarks/serve_oip.py exports them to ONNX with a dynamic batch
+# dimension). Not in MODELS: the placement and conformance benchmarks run every entry there.
+SERVING_MODELS: dict[str, Any] = {"resnet50": resnet50, "vit": deit_small}
 
 
 def load_graph(name: str) -> tuple[Any, dict[str, Any]]:
