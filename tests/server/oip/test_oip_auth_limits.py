@@ -35,20 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OipServer]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server: OipServer) -> Iterator[Any]:
-    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def grpc_(server: OipServer) -> Iterator[Any]:
-    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    yield c
-    c.close()
-
-
 def _rows(n: int) -> np.ndarray:
     return np.linspace(-1, 1, n * 256, dtype=np.float32).reshape(n, 256)
 

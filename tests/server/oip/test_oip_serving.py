@@ -48,20 +48,6 @@ def server(models: dict[str, Path]) -> Iterator[OipServer]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server: OipServer) -> Iterator[Any]:
-    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def grpc_(server: OipServer) -> Iterator[Any]:
-    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    yield c
-    c.close()
-
-
 def _x(rows: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, 4)).astype(np.float32)
 
