@@ -6,7 +6,6 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
