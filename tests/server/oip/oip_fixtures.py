@@ -1,5 +1,5 @@
 """Shared by the OIP server tests: small ONNX models built with onnx.helper, their reference outputs (ONNX's own
-ReferenceEvaluator), a server started in-process on free ports, and a deadline wait.
+ReferenceEvaluator), a server started in-process on free ports, and tritonclient's HTTP and gRPC client fixtures.
 
 (A module of its own, not a conftest.py: tests/server has no __init__.py, so a second ``conftest`` module
 would shadow tests/server/conftest.py for the tests there that import from it.)
@@ -7,13 +7,15 @@ would shadow tests/server/conftest.py for the tests there that import from it.)
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -83,18 +85,6 @@ def start(models: list[dict[str, Any]], **server: Any) -> OipServer:
     return OipServer(cfg).start(timeout=600)
 
 
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0, poll: float = 0.02) -> Any:
-    """Wait until ``cond()`` is truthy and return it; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(poll)
-
-
 def scrape(port: int) -> tuple[str, dict[str, Any]]:
     """The metrics port's text, and its families by name as prometheus-client's own parser reads them."""
     import urllib.request
@@ -110,3 +100,19 @@ def sample(families: dict[str, Any], name: str, **labels: str) -> float:
     """Sum of ``name``'s samples with ``labels`` (the parser reads a counter's samples as NAME_total)."""
     return sum(s.value for s in families[name].samples
                if s.name in (name, f"{name}_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def http(server: OipServer) -> Iterator[Any]:
+    """tritonclient's HTTP client for the importing module's ``server`` fixture."""
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_(server: OipServer) -> Iterator[Any]:
+    """tritonclient's gRPC client for the importing module's ``server`` fixture."""
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    yield c
+    c.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from oip_fixtures import start, wide
+from oip_fixtures import grpc_, http, start, wide  # noqa: F401 (grpc_, http: fixtures)
 from tritonclient.utils import InferenceServerException
 
 from dspark.server.oip.launch import OipServer

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from oip_fixtures import mlp, reference, sample, scrape, wait_for
+from conftest import wait_for
+from oip_fixtures import mlp, reference, sample, scrape
 from tritonclient.utils import InferenceServerException
 
 
@@ -51,7 +52,7 @@ def test_dspark_serve_model_onnx_then_sigterm_drains(tmp_path: Path) -> None:
             assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log_path.read_text()}"
             return _event(log_path, "DSpark OIP server is listening")
 
-        ports = wait_for(listening, "the server's listening line", timeout=240)
+        ports = wait_for(listening, 240, "the server's listening line")
         http_url, grpc_url = f"127.0.0.1:{ports['port']}", f"127.0.0.1:{ports['grpc_port']}"
         client = httpclient.InferenceServerClient(http_url)
         assert client.is_server_ready() and client.get_model_metadata("mlp")["inputs"][0]["shape"] == [-1, 4]
@@ -74,13 +75,13 @@ def test_dspark_serve_model_onnx_then_sigterm_drains(tmp_path: Path) -> None:
         t = threading.Thread(target=in_flight)
         t.start()
         wait_for(lambda: sample(scrape(ports["metrics_port"])[1], "nv_inference_pending_request_count",
-                                model="mlp") == 1, "the request to wait in the batcher's queue")
+                                model="mlp") == 1, 30, "the request to wait in the batcher's queue")
         kept = http.client.HTTPConnection("127.0.0.1", ports["port"], timeout=30)  # open before the signal
         kept.request("GET", "/v2/health/live")
         assert kept.getresponse().read() == b""
 
         proc.send_signal(signal.SIGTERM)
-        drain = wait_for(lambda: _event(log_path, "Shutdown requested"), "the drain to start")
+        drain = wait_for(lambda: _event(log_path, "Shutdown requested"), 30, "the drain to start")
         assert drain["open_requests"] == 1  # the queued request was in flight when the signal came
         t.join(60)
         assert "error" not in done, done.get("error")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from oip_fixtures import mlp, pair, reference, sample, scrape, start
+from oip_fixtures import grpc_, http, mlp, pair, reference, sample, scrape, start  # noqa: F401 (grpc_, http: fixtures)
 from tritonclient.utils import InferenceServerException
 
 from dspark.server.oip.launch import OipServer
