@@ -18,7 +18,7 @@ from typing import Any
 import onnx
 import pytest
 from dspark.cli.app import fmt_bytes
-from dspark.cli.plan import _tensor_bytes
+from dspark.placement.plan import tensor_bytes
 from dspark.graph.model import Graph, Op, TensorSpec
 from dspark.placement import placer
 from dspark.placement.picture import layout, render_plan_html
@@ -76,8 +76,8 @@ def test_page_draws_every_op_and_explains_every_partition(split: tuple[Graph, Pl
         text = panel.group(0)
         assert f'data-target="{p.target.key}"' in text and p.target.runtime in text and p.precision in text
         assert f'data-ops="{len(p.ops)}"' in text and f"{p.predicted_ms:.3f} ms" in text
-        assert f'data-bytes-in="{_tensor_bytes(graph, p.inputs)}"' in text
-        assert f'data-bytes-out="{_tensor_bytes(graph, p.outputs)}"' in text
+        assert f'data-bytes-in="{tensor_bytes(graph, p.inputs)}"' in text
+        assert f'data-bytes-out="{tensor_bytes(graph, p.outputs)}"' in text
         assert f'data-depends-on="{" ".join(map(str, p.depends_on))}"' in text
         for b in p.beaten_bids:
             assert f'data-target="{b.target}"' in text and f"{b.latency_ms:.3f}" in text
@@ -338,7 +338,7 @@ def test_chromium_renders_the_plan(split: tuple[Graph, Plan], page_html: str, tm
         assert sorted(panel["bids"]) == sorted(b.target for b in p.beaten_bids)
         for b, text in zip(sorted(p.beaten_bids, key=lambda b: b.latency_ms), panel["bidText"], strict=True):
             assert b.target in text and f"{b.latency_ms:.3f}" in text and b.precision in text
-        b_in, b_out = _tensor_bytes(graph, p.inputs), _tensor_bytes(graph, p.outputs)
+        b_in, b_out = tensor_bytes(graph, p.inputs), tensor_bytes(graph, p.outputs)
         assert panel["bytes"] == f"{fmt_bytes(b_in)} / {fmt_bytes(b_out)}"
         assert f"{p.predicted_ms:.3f} ms" in panel["text"] and p.precision in panel["text"]
 

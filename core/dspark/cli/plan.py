@@ -97,19 +97,13 @@ def _context(devices: Path | None, plugin: list[str] | None) -> tuple[PluginHost
     return host, probe(host)
 
 
-def _tensor_bytes(graph: Graph, names: list[str]) -> int:
-    total = 0
-    for t in names:
-        spec = graph.tensors.get(t)
-        total += (spec.nbytes(graph.dim_hints) if spec else 0) or 0
-    return total
-
-
 def _abbrev(ops: list[str], limit: int = 6) -> str:
     return ", ".join(ops) if len(ops) <= limit else f"{', '.join(ops[:3])}, ... {ops[-1]} ({len(ops)} ops)"
 
 
 def _print_plan(graph: Graph, plan: Plan, plan_s: float | None) -> None:
+    from dspark.placement.plan import tensor_bytes
+
     fmt = fmt_bytes
     table = Table(title=f"Plan for {plan.model} ({len(graph.ops)} ops)", title_justify="left")
     for col in ("#", "target", "runtime", "ops", "predicted ms", "precision", "bids beaten (ms)",
@@ -119,7 +113,7 @@ def _print_plan(graph: Graph, plan: Plan, plan_s: float | None) -> None:
         beaten = ", ".join(f"{b.target} {b.latency_ms:.3f}" for b in sorted(p.beaten_bids, key=lambda b: b.latency_ms))
         table.add_row(str(p.id), p.target.key, p.target.runtime, escape(_abbrev(p.ops)), f"{p.predicted_ms:.3f}",
                       p.precision, beaten or "-",
-                      f"{fmt(_tensor_bytes(graph, p.inputs))} / {fmt(_tensor_bytes(graph, p.outputs))}",
+                      f"{fmt(tensor_bytes(graph, p.inputs))} / {fmt(tensor_bytes(graph, p.outputs))}",
                       " ".join(map(str, p.depends_on)) or "-")
     out.print(table)
     out.print(f"predicted total: [bold]{plan.predicted_total_ms:.3f} ms[/] "

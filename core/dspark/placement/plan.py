@@ -107,3 +107,12 @@ def hardware_fingerprint(targets: list[Target]) -> str:
     """Changes when the set of (plugin, device, runtime) targets changes."""
     keys = sorted(f"{t.key}/{t.runtime}" for t in targets)
     return hashlib.sha256("|".join(keys).encode()).hexdigest()[:16]
+
+
+def tensor_bytes(graph: Graph, names: list[str]) -> int:
+    """Bytes of these tensors at the graph's dim hints (unknown sizes count 0): what a partition boundary carries."""
+    total = 0
+    for t in names:
+        spec = graph.tensors.get(t)
+        total += (spec.nbytes(graph.dim_hints) if spec else 0) or 0
+    return total

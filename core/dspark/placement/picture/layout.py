@@ -51,15 +51,6 @@ def _fmt_bytes(n: float) -> str:
     return "-"
 
 
-def _tensor_bytes(graph: Graph, names: list[str]) -> int:
-    """Bytes of these tensors at the graph's dim hints (unknown sizes count 0), as ``dspark plan`` reports."""
-    total = 0
-    for t in names:
-        spec = graph.tensors.get(t)
-        total += (spec.nbytes(graph.dim_hints) if spec else 0) or 0
-    return total
-
-
 def _spec_text(graph: Graph, name: str) -> str:
     spec = graph.tensors.get(name)
     if spec is None:

@@ -23,11 +23,11 @@ from collections import defaultdict
 from html import escape
 
 from dspark.graph.model import Graph
-from dspark.placement.plan import Partition, Plan
+from dspark.placement.plan import Partition, Plan, tensor_bytes
 from dspark.placement.picture.layout import (
     BOX_GAP_Y, Cubic, HEAD, LANE, MARGIN, MAX_DRAWN_OPS, NODE_H, NODE_W, PAD, PART_H, PART_W, UNPLACED, _Band,
     _Box, _a, _at, _colour, _crossing, _down, _fmt_bytes, _ink, _label, _layout_ops, _path, _place_boxes,
-    _short, _skip, _spec_text, _tensor_bytes,
+    _short, _skip, _spec_text,
 )
 
 __all__ = ["render_plan_html"]
@@ -98,7 +98,7 @@ class _Picture:
             ia, ib = pa.id if pa else -1, pb.id if pb else -1
             segments = self._route(a, b, boxes[ia], boxes[ib], at, bands, skips)
             cross = ia != ib
-            nbytes = _tensor_bytes(self.graph, tensors)
+            nbytes = tensor_bytes(self.graph, tensors)
             edge_svg.append(
                 f'<path class="{"edge cross" if cross else "edge"}" d="{_path(segments)}" '
                 f'data-from="{self.op_id[a]}" data-to="{self.op_id[b]}" data-bytes="{nbytes}" '
@@ -171,7 +171,7 @@ class _Picture:
         out: list[str] = []
         for (a, _), entries in crossings.items():
             tensors = sorted({t for _, ts, _, _ in entries for t in ts})
-            nbytes = _tensor_bytes(self.graph, tensors)
+            nbytes = tensor_bytes(self.graph, tensors)
             text = _fmt_bytes(nbytes)
             x, y = entries[0][2], entries[0][3]
             half_w, half_h = 3.6 * len(text) + 4, 8.0  # under cell_w / 2 and cell_h / 2
@@ -250,7 +250,7 @@ class _Picture:
         skips: list[float] = []
         for (src, dst), tensors in sorted(flows.items()):
             ba, bb = boxes[src], boxes[dst]
-            nbytes = _tensor_bytes(self.graph, sorted(tensors))
+            nbytes = tensor_bytes(self.graph, sorted(tensors))
             segments = _skip(bands, ba, (ba.x + ba.w / 2, ba.y + ba.h), bb, skips)
             segments.append(_down(*segments[-1][3], bb.x + bb.w / 2, bb.y) if segments else
                             _down(ba.x + ba.w / 2, ba.y + ba.h, bb.x + bb.w / 2, bb.y))
@@ -332,7 +332,7 @@ class _Picture:
         out: list[str] = []
         for p in self.plan.partitions:
             colour = self.colours[p.target.key]
-            b_in, b_out = _tensor_bytes(self.graph, p.inputs), _tensor_bytes(self.graph, p.outputs)
+            b_in, b_out = tensor_bytes(self.graph, p.inputs), tensor_bytes(self.graph, p.outputs)
             deps = ", ".join(f'<a href="#panel-{d}">#{d}</a>' for d in p.depends_on) or "-"
             beaten = sorted(p.beaten_bids, key=lambda b: b.latency_ms)
             if beaten:
