@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.8).
+"""The dspark plugin contract (API version 1.9).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.8"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.9"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -17,7 +17,9 @@ to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
 :mod:`dspark.sdk.decoder`. API 1.7 added real models to :mod:`dspark.testing`
 (``real_model``, ``activations``, the demo block) for checking kernels on real activations.
 API 1.8 added decoders that keep the KV per sequence themselves (``DecoderBid.kv="sequence"``,
-:class:`~dspark.sdk.decoder.SequenceDecoder`, :class:`~dspark.sdk.decoder.SeqBatch`).
+:class:`~dspark.sdk.decoder.SequenceDecoder`, :class:`~dspark.sdk.decoder.SeqBatch`). API 1.9 gives
+drafters that ask for it (``wants_target_row``) the target's own row that chose a sequence's last
+token (``DraftRequest.target_row``), for feature-level draft heads.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.8"
+API_VERSION = "1.9"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -274,6 +274,11 @@ class DraftRequest:
     # Called by the drafter after its j-th token (1-based) with that token's confidence; False means
     # the controller expects no gain from more tokens of this sequence, so stop drafting it.
     keep_going: Callable[[int, float], bool] | None = None
+    # API 1.9: the target's own output row at the position that chose ``tokens[-1]``, for drafters
+    # that say ``wants_target_row = True`` (feature-level heads): its final-normed hidden state
+    # [hidden] or its raw logits [vocab], whichever the target's forward gave (a 1-d float torch
+    # tensor; tell them apart by length); None when the engine has none (e.g. standalone ``propose``).
+    target_row: Any = None
 
 
 @runtime_checkable

@@ -6,6 +6,9 @@ Offers, for a target running in this process:
   target's vocabulary and tokenizer: the one named by the engine's
   ``draft_model`` setting, or with ``auto`` the ones found next to the target
   that say they were made for it (the embedded model's ``stdlib-llama-draft``);
+- ``feature-head:<dir>`` (kind ``model``): a feature-level head (EAGLE-style) over the target's own
+  last hidden state, found next to the target (``dspark_head_for`` in its config) or named by
+  ``draft_head``;
 - ``self-draft`` (kind ``self``): the target's own first layers plus its LM
   head, exiting at the layer it was trained for (``dspark_early_exit_layers``
   in its config) or at the one measured best.
@@ -19,6 +22,7 @@ built-in plugin ``ngram`` (:mod:`dspark.builtin.ngram`), which needs no engine.
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from dspark.hookspecs import hookimpl
@@ -45,6 +49,16 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
                 create=partial(DraftModelDrafter, p, str(props.get("dtype", "float32")),
                                int(props.get("max_total_tokens", 8192)), int(props.get("page_size", 16)),
                                target.runtime)))
+    head_choice = str(props.get("draft_head", "auto"))
+    if target.path is not None and head_choice != "none" and Path(target.path).is_dir():
+        from dspark.llm.speculative.head.model import find_heads
+        from dspark.llm.speculative.head.drafter import FeatureHeadDrafter
+
+        for hp in find_heads(target.path) if head_choice == "auto" else [Path(head_choice)]:
+            specs.append(DrafterSpec(
+                name=f"feature-head:{hp.name}", kind="model",
+                description=f"feature-level draft head {hp} over the target's last hidden state",
+                create=partial(FeatureHeadDrafter, hp, target.path)))
     rt = target.runtime
     if rt is not None and target.num_layers >= 2 and props.get("runs_early_exit", True):
         exits = [int(e) for e in props.get("early_exit_layers", []) or []]

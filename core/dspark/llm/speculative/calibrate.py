@@ -65,9 +65,10 @@ class Calibration(DrafterCalls):
 
         try:
             prefill_ms = []
+            last_rows = {}  # the row that chose each context's last token, for drafters that read it
             for s in ids:
                 t0 = time.perf_counter()
-                runner.step(cache, [SeqChunk(s, ctx[s][:-1])])
+                last_rows[s] = runner.step(cache, [SeqChunk(s, ctx[s][:-1])])[0]
                 prefill_ms.append((time.perf_counter() - t0) * 1e3)
             # (sequences, drafted tokens each, logits for every row or only the first block): the two
             # kinds of long verification separate a drafted token's layers from its head row.
@@ -117,7 +118,7 @@ class Calibration(DrafterCalls):
                         cache.reserve(s, len(ctx[s]) + k + 1)
 
                     def draft(S: int = S, k: int = k) -> None:
-                        if self._run(h, [DraftRequest(s, ctx[s], k) for s in ids[:S]]) is None:
+                        if self._run(h, [DraftRequest(s, ctx[s], k, target_row=last_rows[s]) for s in ids[:S]]) is None:
                             raise RuntimeError(h.disabled)
 
                     try:

@@ -106,7 +106,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
             num_layers=mcfg.num_hidden_layers, hidden_size=mcfg.hidden_size,
             tokenizer_fingerprint=tokenizer_fingerprint(root),
             properties={"early_exit_layers": list(raw.get("dspark_early_exit_layers", []) or []),
-                        "draft_model": cfg.draft_model, "exit_layer": cfg.exit_layer,
+                        "draft_model": cfg.draft_model, "draft_head": cfg.draft_head, "exit_layer": cfg.exit_layer,
                         "dtype": str(runner.dtype).removeprefix("torch."),
                         "max_total_tokens": cache.allocator.num_pages * cache.page_size
                         + max_batch_size * (cfg.max_k + 1),
@@ -140,6 +140,10 @@ class SpecDecoder(Proposer, Learner, Calibration):
             self.handles.append(Handle(len(self.handles), o.name, o.kind, o.plugin, obj,
                                        probe=o.kind == "ngram", guard=guard))
         self.predictor = AcceptancePredictor(len(self.handles))
+        # Per request, the target's row that chose its last token, kept only while a drafter reads it
+        # (DraftRequest.target_row): a reference to the step's output, no copy.
+        self.wants_rows = any(getattr(h.obj, "wants_target_row", False) for h in self.handles)
+        self.rows: dict[str, torch.Tensor] = {}
         self.reqs: dict[str, ReqState] = {}
         self.exit_chosen = False
         self.fixed: Handle | None = None
@@ -166,8 +170,14 @@ class SpecDecoder(Proposer, Learner, Calibration):
     def release(self, rid: str) -> None:
         """Forget a finished or aborted request, here and in every drafter."""
         self.reqs.pop(rid, None)
+        self.rows.pop(rid, None)
         for h in self.handles:
             self._tell(h, "release", rid)
+
+    def note_row(self, rid: str, row: torch.Tensor) -> None:
+        """The target's output row (hidden state or raw logits) that chose request ``rid``'s last token."""
+        if self.wants_rows:
+            self.rows[rid] = row
 
     # -- verification ---------------------------------------------------------
     def chunk(self, prop: Proposal, p: ScheduledChunk, base: SeqChunk) -> SeqChunk:

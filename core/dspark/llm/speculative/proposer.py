@@ -125,6 +125,7 @@ class Proposer(DrafterCalls):
     default_gen: torch.Generator
     predictor: AcceptancePredictor
     reqs: dict[str, ReqState]
+    rows: dict[str, torch.Tensor]
     controller: Controller | None
     fixed: Handle | None
     exit_chosen: bool
@@ -186,7 +187,8 @@ class Proposer(DrafterCalls):
         temps = [0.0 if s.params.greedy else s.params.temperature for s in seqs]
 
         def request(i: int, k: int, keep: Any = None) -> DraftRequest:
-            return DraftRequest(seqs[i].request_id, ctxs[i], k, temps[i], gens[i], keep)
+            rid = seqs[i].request_id
+            return DraftRequest(rid, ctxs[i], k, temps[i], gens[i], keep, self.rows.get(rid))
 
         if self.strategy == "fixed":
             h = self.fixed
