@@ -118,6 +118,62 @@ def agreement(head: FeatureHead, model, held: torch.Tensor, seq: int, windows: i
     return [h / max(m, 1) for h, m in zip(hits, n)]
 
 
+def write_card(out: Path) -> None:
+    """The head's README.md, from its config.json (so --eval-only keeps it in step)."""
+    cfg = json.loads((out / "config.json").read_text())
+    tr, ag = cfg.get("dspark_train", {}), cfg["dspark_heldout_agreement"]
+    pct = lambda x: f"{100 * x:.2f}%"  # noqa: E731
+    curve = "\n".join(f"| {c['step']} | {pct(c['agreement'][0])} | {pct(c['agreement'][1])} | {pct(c['agreement'][2])} |"
+                      for c in cfg.get("dspark_curve", []))
+    (out / "README.md").write_text(f"""# stdlib-llama-head: a feature-level draft head for stdlib-llama
+
+An EAGLE-style draft head for the embedded model `stdlib-llama`. It never sees text on its own: from
+the main model's final-normed hidden state u_i at position i and the embedding of token x_(i+1), it
+predicts u_(i+1), attending over the {cfg['window']} rows before it; the main model's own (tied) LM head,
+restricted to the {ag['draft_vocabulary'] or 'whole'} most frequent training tokens (FR-Spec), turns
+that into a drafted token, and drafting k tokens chains it on its own predictions. The engine gives it
+the main model's rows (`DraftRequest.target_rows`, plugin API 1.9); compiled targets give logits, from
+which u is solved by least squares (the LM head is linear and has full column rank). Offered by the
+built-in drafters plugin as `feature-head:stdlib-llama-head` (`speculative_decoding.draft_head`).
+
+## Architecture
+
+`fuse(cat(norm(u_i), norm(embed(x_(i+1)))))` (Linear 2H -> H), then x + windowed causal attention
+({cfg['hidden_size'] // 64} heads of 64, RoPE, window {cfg['window']}), then {cfg['num_blocks']} x (x + SwiGLU({cfg['intermediate_size']})),
+then RMSNorm; hidden {cfg['hidden_size']}. Stored in bfloat16 (`head.safetensors`, with `draft_vocab`).
+
+## Training
+
+The main model frozen, on its own training stream (the standard library's training files, as in
+`stdlib-llama`'s card), 4 x 512-token windows a step; loss = KL(main model's distribution at i+1 ||
+head's) + {tr.get('feat_w')} x smooth-L1(u^_(i+1), u_(i+1)), and the same one step further along the head's
+own prediction (weight 0.5). AdamW, peak lr {tr.get('lr')}, cosine to 5%. Steps: {tr.get('steps')}
+({tr.get('tokens', 0):,} tokens), {tr.get('minutes')} min on 2 cores (2 threads, float32).
+
+## Held-out agreement with the main model
+
+The {ag['windows']} first held-out windows of {ag['seq']} tokens (files the main model never saw). Teacher-forced:
+the head given the main model's true u_i and the true next token; its argmax (among the draft
+vocabulary) equals the main model's argmax at i+1. Chained d: the head's own predictions fed back d - 1 times.
+
+| teacher-forced | chained 2 | chained 3 | teacher-forced, whole vocabulary |
+|---|---|---|---|
+| {pct(ag['teacher_forced'])} | {pct(ag['chained_2'])} | {pct(ag['chained_3'])} | {pct(ag['teacher_forced_full_vocabulary'])} |
+
+### Curve (8 held-out windows, draft vocabulary not applied)
+
+| step | teacher-forced | chained 2 | chained 3 |
+|---|---|---|---|
+{curve}
+
+## Reproduce
+
+```
+{tr.get('command', '')}
+```
+""")
+
+
 def _agreement_record(a_full: list[float], a: list[float], args: argparse.Namespace) -> dict:
     return {"teacher_forced": a[0], "chained_2": a[1], "chained_3": a[2],
             "teacher_forced_full_vocabulary": a_full[0], "draft_vocabulary": args.draft_vocab or None,
@@ -134,6 +190,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--inner", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=1)
+    ap.add_argument("--window", type=int, default=8, help="rows each row attends over (0 = no attention)")
     ap.add_argument("--feat-w", type=float, default=0.5)
     ap.add_argument("--unroll", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -160,7 +217,7 @@ def main() -> None:
     train = encode_files(tok, [read_text(root, f) for f in files if not is_heldout(f)])
     held = encode_files(tok, [read_text(root, f) for f in files if is_heldout(f)])
     H = model.config.hidden_size
-    head = FeatureHead(H, args.inner, args.blocks)
+    head = FeatureHead(H, args.inner, args.blocks, args.window)
     vocab = draft_vocab(train, model.config.vocab_size, args.draft_vocab) if args.draft_vocab else None
     if args.eval_only:  # re-measure a saved head and give it this run's draft vocabulary
         from dspark.llm.speculative.head.model import load_head
@@ -173,6 +230,7 @@ def main() -> None:
         extra = {k: v for k, v in cfg.items() if k.startswith("dspark_") and k not in ("dspark_role", "dspark_head_for")}
         extra["dspark_heldout_agreement"] = _agreement_record(a_full, a, args)
         save_head(head, Path(args.out_dir), MAIN_DIR.name, extra, vocab)
+        write_card(Path(args.out_dir))
         return
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     batches = Batches(train, args.seq, args.bs, args.seed)
@@ -218,10 +276,12 @@ def main() -> None:
         f"full vocabulary {a_full}, draft vocabulary {a}")
     save_head(head, Path(args.out_dir), MAIN_DIR.name, {
         "dspark_train": {"steps": step + 1, "tokens": (step + 1) * args.bs * args.seq, "minutes": round(minutes, 1),
-                         "lr": args.lr, "feat_w": args.feat_w, "unroll": args.unroll, "seed": args.seed,
-                         "command": " ".join(sys.argv)},
+                         "command": " ".join([".venv/bin/python", "scripts/train_feature_head.py", *sys.argv[1:]]),
+                         "lr": args.lr, "window": args.window, "feat_w": args.feat_w, "unroll": args.unroll,
+                         "seed": args.seed},
         "dspark_heldout_agreement": _agreement_record(a_full, a, args),
         "dspark_curve": curve}, vocab)
+    write_card(Path(args.out_dir))
     log(f"saved {args.out_dir}")
 
 

@@ -18,8 +18,8 @@ to the graph: ``Op.captures``, ``TensorSpec.rank_known`` and the body helpers of
 (``real_model``, ``activations``, the demo block) for checking kernels on real activations.
 API 1.8 added decoders that keep the KV per sequence themselves (``DecoderBid.kv="sequence"``,
 :class:`~dspark.sdk.decoder.SequenceDecoder`, :class:`~dspark.sdk.decoder.SeqBatch`). API 1.9 gives
-drafters that ask for it (``wants_target_row``) the target's own row that chose a sequence's last
-token (``DraftRequest.target_row``), for feature-level draft heads.
+drafters that ask for them (a ``target_rows`` attribute) the target's own output rows at a
+sequence's last positions (``DraftRequest.target_rows``), for feature-level draft heads.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one

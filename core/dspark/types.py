@@ -274,11 +274,12 @@ class DraftRequest:
     # Called by the drafter after its j-th token (1-based) with that token's confidence; False means
     # the controller expects no gain from more tokens of this sequence, so stop drafting it.
     keep_going: Callable[[int, float], bool] | None = None
-    # API 1.9: the target's own output row at the position that chose ``tokens[-1]``, for drafters
-    # that say ``wants_target_row = True`` (feature-level heads): its final-normed hidden state
-    # [hidden] or its raw logits [vocab], whichever the target's forward gave (a 1-d float torch
-    # tensor; tell them apart by length); None when the engine has none (e.g. standalone ``propose``).
-    target_row: Any = None
+    # API 1.9, for drafters with a ``target_rows`` attribute N > 0 (feature-level heads): the target's
+    # own output rows at the context's last positions, oldest first, at most N; the last one is the
+    # row at position len(tokens) - 2, the one that chose ``tokens[-1]``. Each is a 1-d float torch
+    # tensor: the final-normed hidden state [hidden] or the raw logits [vocab], whichever the target's
+    # forward gave (tell them apart by length). None when the engine has none (standalone ``propose``).
+    target_rows: list[Any] | None = None
 
 
 @runtime_checkable

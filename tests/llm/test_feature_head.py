@@ -13,20 +13,21 @@ from llm_testutil import make_checkpoint, random_prompts
 from dspark.llm import LLM, SamplingParams
 from dspark.llm.runner.model import ModelRunner, SeqChunk
 from dspark.llm.speculative.head.model import FeatureHead, find_heads, load_head, save_head
-from dspark.llm.speculative.head.drafter import FeatureHeadDrafter
+from dspark.llm.speculative.head.drafter import FeatureHeadDrafter, target_matrices
 from dspark.types import DraftRequest
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny target with a (randomly initialised) head made for it next to it."""
+@pytest.fixture(scope="module", params=[0, 4], ids=["mlp", "window4"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny target with a (randomly initialised) head made for it next to it: without attention,
+    and attending over a window of 4 rows."""
     root = tmp_path_factory.mktemp("head")
     t = make_checkpoint(root / "tinyh", "llama", seed=11, num_hidden_layers=2)
     hidden = json.loads((t / "config.json").read_text())["hidden_size"]
     torch.manual_seed(0)
-    save_head(FeatureHead(hidden, 2 * hidden), root / "tinyh-head", t.name, {})
+    save_head(FeatureHead(hidden, 2 * hidden, window=request.param), root / "tinyh-head", t.name, {})
     return t
 
 
@@ -54,8 +55,8 @@ def test_the_targets_hidden_state_is_recovered_from_its_logits(tiny: Path) -> No
         assert torch.allclose(d._feature(logits[j]), hidden[j].float(), atol=2e-4), j
         assert torch.equal(d._feature(hidden[j]), hidden[j].float())
     # the same draft from either row
-    a = d.propose_batch([DraftRequest("a", ids, 4, target_row=hidden[-1])])[0]
-    b = d.propose_batch([DraftRequest("b", ids, 4, target_row=logits[-1])])[0]
+    a = d.propose_batch([DraftRequest("a", ids, 4, target_rows=[hidden[-1]])])[0]
+    b = d.propose_batch([DraftRequest("b", ids, 4, target_rows=[logits[-1]])])[0]
     assert a.tokens == b.tokens and len(a.tokens) == 4
     # no row, no draft (standalone propose has none)
     assert d.propose(ids, 4).tokens == []
@@ -129,9 +130,46 @@ def test_a_draft_vocabulary_limits_the_drafts_and_still_recovers_the_state(tiny:
     allowed = set(ids.tolist())
     for t in (0.0, 0.9):
         dr = d.propose_batch([DraftRequest("a", ctx, 6, temperature=t, generator=torch.Generator().manual_seed(2),
-                                           target_row=hid)])[0]
+                                           target_rows=[hid])])[0]
         assert len(dr.tokens) == 6 and set(dr.tokens) <= allowed, dr.tokens
         if t > 0:  # sampled: the full-vocabulary distributions it drew from, zero outside the subset
             q = torch.as_tensor(dr.probs)
             assert q.shape[0] == 6 and torch.allclose(q.sum(-1), torch.ones(6))
             assert float(q[:, [i for i in range(q.shape[1]) if i not in allowed]].sum()) == 0.0
+
+
+def test_drafting_row_by_row_equals_the_head_over_the_whole_sequence(tiny: Path) -> None:
+    """The drafter's incremental path (cached window rows across calls, drafted rows chained on its own
+    predictions) computes what the head computes over the whole sequence at once, as in training."""
+    runner = ModelRunner.from_pretrained(str(tiny), "float32")
+    ctx = random_prompts(1, seed=6, lo=14, hi=15)[0]
+    hidden = runner.step(runner.make_cache(8, 16), [SeqChunk("s", ctx, all_logits=True, hidden_only=True)])[0]
+    d = FeatureHeadDrafter(tiny.parent / "tinyh-head", tiny)
+    head, Wt = d.head, d.Wt
+    emb, _ = target_matrices(tiny)
+
+    def whole(n: int, k: int) -> list[int]:
+        """Draft k tokens after ctx[:n] with the head over the whole sequence, window rows masked as in training."""
+        us, toks, out = list(hidden[: n - 1]), list(ctx[1:n]), []
+        for _ in range(k):
+            with torch.no_grad():
+                u = head(torch.stack(us)[None], emb[torch.tensor(toks)][None])[0, -1]
+            t = int(d.ids[int((u @ Wt).argmax())])
+            out.append(t)
+            us.append(u)
+            toks.append(t)
+        return out
+
+    n1, n2 = 8, 11
+
+    def rows(n: int) -> list[torch.Tensor]:  # the target's logits rows before position n - 1, as the engine keeps them
+        return list(runner.head(hidden[: n - 1]))[-d.target_rows:]
+
+    first = d.propose_batch([DraftRequest("s", ctx[:n1], 3, target_rows=rows(n1))])[0].tokens
+    assert first == whole(n1, 3)
+    d.commit("s", n1 + 1)  # one drafted token kept
+    # the next call gives only the rows since (3 new positions), the rest come from the window kept
+    second = d.propose_batch([DraftRequest("s", ctx[:n2], 4, target_rows=rows(n2)[-3:])])[0].tokens
+    assert second == whole(n2, 4)
+    d.release("s")
+    assert "s" not in d.state

@@ -291,7 +291,7 @@ class LLMEngine:
             if drafted[i]:
                 assert spec is not None and prop is not None
                 v = spec.accept(prop, i, seq, lg)
-                spec.note_row(seq.request_id, lg[v.accepted])  # the row that chose the last token
+                spec.note_rows(seq.request_id, lg[: v.accepted + 1])  # the rows of the tokens appended
                 seq.num_computed += 1 + v.accepted
                 self._append(seq, v.tokens, v.logprobs)
                 finished = seq.status is Status.FINISHED
@@ -304,7 +304,7 @@ class LLMEngine:
                 if not completes:
                     continue  # mid-prompt chunk: nothing to sample yet
                 if spec is not None:
-                    spec.note_row(seq.request_id, lg)
+                    spec.note_rows(seq.request_id, lg[None])
                 tok = picks[i] if i in picks else self._sample(seq, lg)
                 self._append(seq, [tok])
                 if prop is not None and prop.reserved(seq) and seq.status is not Status.FINISHED:

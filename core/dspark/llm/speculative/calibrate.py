@@ -118,7 +118,7 @@ class Calibration(DrafterCalls):
                         cache.reserve(s, len(ctx[s]) + k + 1)
 
                     def draft(S: int = S, k: int = k) -> None:
-                        if self._run(h, [DraftRequest(s, ctx[s], k, target_row=last_rows[s]) for s in ids[:S]]) is None:
+                        if self._run(h, [DraftRequest(s, ctx[s], k, target_rows=[last_rows[s]]) for s in ids[:S]]) is None:
                             raise RuntimeError(h.disabled)
 
                     try:

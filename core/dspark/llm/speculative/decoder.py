@@ -22,6 +22,7 @@ the engine's thread (``handles.py``).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,12 @@ from dspark.llm.speculative.verify import (
 from dspark.types import TargetModel
 
 __all__ = ["Proposal", "SpecDecoder", "Verdict", "repetitiveness"]
+
+
+def _rows_wanted(drafter: Any) -> int:
+    """How many of the context's last target rows a drafter reads (its ``target_rows``, API 1.9)."""
+    n = getattr(drafter, "target_rows", 0)
+    return n if isinstance(n, int) and n > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -140,10 +147,10 @@ class SpecDecoder(Proposer, Learner, Calibration):
             self.handles.append(Handle(len(self.handles), o.name, o.kind, o.plugin, obj,
                                        probe=o.kind == "ngram", guard=guard))
         self.predictor = AcceptancePredictor(len(self.handles))
-        # Per request, the target's row that chose its last token, kept only while a drafter reads it
-        # (DraftRequest.target_row): a reference to the step's output, no copy.
-        self.wants_rows = any(getattr(h.obj, "wants_target_row", False) for h in self.handles)
-        self.rows: dict[str, torch.Tensor] = {}
+        # Per request, the target's rows at its context's last positions, as many as a drafter reads
+        # (DraftRequest.target_rows, API 1.9): references to the steps' outputs, no copies.
+        self.rows_wanted = max([_rows_wanted(h.obj) for h in self.handles] or [0])
+        self.rows: dict[str, deque[torch.Tensor]] = {}
         self.reqs: dict[str, ReqState] = {}
         self.exit_chosen = False
         self.fixed: Handle | None = None
@@ -174,10 +181,14 @@ class SpecDecoder(Proposer, Learner, Calibration):
         for h in self.handles:
             self._tell(h, "release", rid)
 
-    def note_row(self, rid: str, row: torch.Tensor) -> None:
-        """The target's output row (hidden state or raw logits) that chose request ``rid``'s last token."""
-        if self.wants_rows:
-            self.rows[rid] = row
+    def note_rows(self, rid: str, rows: torch.Tensor) -> None:
+        """The target's output rows (hidden states or raw logits) [n, ...] of request ``rid``'s tokens
+        just appended: the last one chose its last token."""
+        if self.rows_wanted:
+            q = self.rows.get(rid)
+            if q is None:
+                q = self.rows[rid] = deque(maxlen=self.rows_wanted)
+            q.extend(rows.unbind(0))
 
     # -- verification ---------------------------------------------------------
     def chunk(self, prop: Proposal, p: ScheduledChunk, base: SeqChunk) -> SeqChunk:

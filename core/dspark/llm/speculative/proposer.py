@@ -11,6 +11,7 @@ self-drafter's forwards stop at its exit layer).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,7 @@ class Proposer(DrafterCalls):
     default_gen: torch.Generator
     predictor: AcceptancePredictor
     reqs: dict[str, ReqState]
-    rows: dict[str, torch.Tensor]
+    rows: dict[str, deque[torch.Tensor]]
     controller: Controller | None
     fixed: Handle | None
     exit_chosen: bool
@@ -188,7 +189,8 @@ class Proposer(DrafterCalls):
 
         def request(i: int, k: int, keep: Any = None) -> DraftRequest:
             rid = seqs[i].request_id
-            return DraftRequest(rid, ctxs[i], k, temps[i], gens[i], keep, self.rows.get(rid))
+            rows = self.rows.get(rid)
+            return DraftRequest(rid, ctxs[i], k, temps[i], gens[i], keep, list(rows) if rows else None)
 
         if self.strategy == "fixed":
             h = self.fixed
