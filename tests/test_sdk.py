@@ -32,12 +32,23 @@ def test_import_is_cheap() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_api_1_3_module_names_are_the_sdk_modules() -> None:
+def test_api_1_3_module_names_warn_and_stand_for_the_sdk_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     from dspark import cache, calibration, cost, hostinfo, log, quant
 
-    assert cost is dspark.sdk.cost and quant is dspark.sdk.quant and calibration is dspark.sdk.calibration
-    assert cache is dspark.sdk.cache and hostinfo is dspark.sdk.hostinfo
+    assert cost.roofline is dspark.sdk.cost.roofline and quant.quantize_weight is dspark.sdk.quant.quantize_weight
+    assert cache.cache_dir is dspark.sdk.cache.cache_dir and hostinfo.memory is dspark.sdk.hostinfo.memory
     assert log.get_logger is dspark.sdk.get_logger
+    assert sorted(n for n in dir(cost) if not n.startswith("_")) == sorted(n for n in dir(dspark.sdk.cost)
+                                                                          if not n.startswith("_"))
+    monkeypatch.setattr(calibration, "OBSERVE_MIN", 5)  # a knob set through the old name is the new module's
+    assert dspark.sdk.calibration.OBSERVE_MIN == 5
+    # each old name warns once, when first imported, naming its replacement and when it goes
+    for old, new in [("cost", "dspark.sdk.cost"), ("log", "dspark.sdk.get_logger"), ("cache", "dspark.sdk.cache")]:
+        code = f"import warnings; warnings.simplefilter('always'); import dspark.{old}"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert (f"DeprecationWarning: dspark.{old} is deprecated and will be removed in plugin API 2.0: "
+                f"use {new} instead") in out.stderr, out.stderr
+        assert out.stderr.startswith("<string>:1:"), out.stderr  # charged to the importing line
 
 
 def _graph(op_type: str) -> Graph:

@@ -1,10 +1,10 @@
-"""Plugin API 1.3 name of :mod:`dspark.sdk.cost`, kept so plugins written against 1.3 load unchanged.
+"""Plugin API 1.3 name of :mod:`dspark.sdk.cost`, deprecated: importing it warns (``DeprecationWarning``,
+removed in plugin API 2.0), and every attribute read or set here is that module's.
 
-New code imports :mod:`dspark.sdk.cost` (see docs/plugins.md); this module *is* that module.
+New code imports :mod:`dspark.sdk.cost` (see docs/plugins.md).
 """
 
-import sys
-
 import dspark.sdk.cost as _target
+from dspark.host.aliases import deprecated_alias
 
-sys.modules[__name__] = _target
+deprecated_alias(__name__, _target)
