@@ -101,7 +101,7 @@ def test_the_embedded_head_agrees_with_its_model_and_drafts_are_accepted() -> No
     import sysconfig
 
     src = (Path(sysconfig.get_paths()["stdlib"]) / "statistics.py").read_text()
-    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 3}
+    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 1}
     plain = LLM(dtype="float32")
     tok = plain.engine.tokenizer
     prompts = [tok.encode(src[i:i + 600]).ids for i in (0, 5000)]
@@ -109,8 +109,8 @@ def test_the_embedded_head_agrees_with_its_model_and_drafts_are_accepted() -> No
     llm = LLM(dtype="float32", speculative_decoding=spec)
     assert [o.token_ids for o in llm.generate(prompts, _greedy(32))] == [o.token_ids for o in ref]
     st = llm.stats().spec_drafters["feature-head:stdlib-llama-head"]
-    # a random head would have almost nothing accepted; a trained one most of its first tokens
-    assert st["acceptance_rate"] >= 0.4, st
+    # an untrained head is right about 1 time in 2048 (its draft vocabulary); the trained one about half the time
+    assert st["drafts"] >= 30 and st["acceptance_rate"] >= 0.3, st
 
 
 def test_a_draft_vocabulary_limits_the_drafts_and_still_recovers_the_state(tiny: Path, tmp_path: Path) -> None:
