@@ -134,7 +134,7 @@ restricted to the {ag['draft_vocabulary'] or 'whole'} most frequent training tok
 that into a drafted token, and drafting k tokens chains it on its own predictions. The engine gives it
 the main model's rows (`DraftRequest.target_rows`, plugin API 1.9); compiled targets give logits, from
 which u is solved by least squares (the LM head is linear and has full column rank). Offered by the
-built-in drafters plugin as `feature-head:stdlib-llama-head` (`speculative_decoding.draft_head`).
+built-in drafters plugin as `feature-head:stdlib-llama-head` when `speculative_decoding.draft_head` is `auto` (off by default: see docs/benchmarks.md).
 
 ## Architecture
 

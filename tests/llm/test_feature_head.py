@@ -64,8 +64,8 @@ def test_the_targets_hidden_state_is_recovered_from_its_logits(tiny: Path) -> No
 
 
 @pytest.mark.parametrize("spec", [
-    {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 3},
-    {"strategy": "deepspec"},
+    {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 3, "draft_head": "auto"},
+    {"strategy": "deepspec", "draft_head": "auto"},
 ])
 def test_greedy_output_is_token_identical_with_the_head(tiny: Path, spec: dict) -> None:
     prompts = random_prompts(6, seed=4, lo=3, hi=30)
@@ -83,7 +83,7 @@ def test_greedy_output_is_token_identical_with_the_head(tiny: Path, spec: dict) 
 
 
 def test_seeded_sampling_with_the_head_is_reproducible(tiny: Path) -> None:
-    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 3}
+    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 3, "draft_head": "auto"}
     p = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
     prompts = random_prompts(2, seed=9, lo=5, hi=12)
     runs = [[o.token_ids for o in LLM(str(tiny), dtype="float32", speculative_decoding=spec).generate(prompts, p)]
@@ -91,9 +91,13 @@ def test_seeded_sampling_with_the_head_is_reproducible(tiny: Path) -> None:
     assert runs[0] == runs[1] and all(len(t) == 20 for t in runs[0])
 
 
-def test_draft_head_none_offers_no_head(tiny: Path) -> None:
-    llm = LLM(str(tiny), dtype="float32", speculative_decoding={"draft_head": "none"})
-    assert not any(h.name.startswith("feature-head") for h in llm.engine.spec.handles)
+def test_a_head_is_offered_only_when_asked_for(tiny: Path) -> None:
+    def heads(**spec: str) -> list[str]:
+        llm = LLM(str(tiny), dtype="float32", speculative_decoding={"strategy": "deepspec", **spec})
+        return [h.name for h in llm.engine.spec.handles if h.name.startswith("feature-head")]
+
+    assert heads() == [] and heads(draft_head="none") == []
+    assert heads(draft_head="auto") == heads(draft_head=str(tiny.parent / "tinyh-head")) == ["feature-head:tinyh-head"]
 
 
 @pytest.mark.skipif(not (EMBEDDED / "stdlib-llama-head").exists(), reason="the embedded head is not built")
@@ -101,7 +105,7 @@ def test_the_embedded_head_agrees_with_its_model_and_drafts_are_accepted() -> No
     import sysconfig
 
     src = (Path(sysconfig.get_paths()["stdlib"]) / "statistics.py").read_text()
-    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 1}
+    spec = {"strategy": "fixed", "drafters": ["feature-head"], "num_speculative_tokens": 1, "draft_head": "auto"}
     plain = LLM(dtype="float32")
     tok = plain.engine.tokenizer
     prompts = [tok.encode(src[i:i + 600]).ids for i in (0, 5000)]

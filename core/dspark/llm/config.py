@@ -161,8 +161,10 @@ class SpeculativeConfig(BaseModel):
         "auto", description="'auto' = a draft checkpoint made for the target if one is found (the embedded "
         "model's draft), 'none' = no separate draft model, or a checkpoint directory with the target's vocabulary")
     draft_head: str = Field(
-        "auto", description="'auto' = a feature-level draft head (EAGLE-style) made for the target if one is found "
-        "next to it (the embedded model's stdlib-llama-head), 'none' = no head, or a head directory")
+        "none", description="a feature-level draft head (EAGLE-style) to offer: 'auto' = one made for the target "
+        "if found next to it (the embedded model's stdlib-llama-head), or a head directory; 'none' (the default: "
+        "on the embedded model a drafted token costs 0.4x a target step and offering it slows DeepSpec, "
+        "docs/benchmarks.md)")
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="k of the fixed strategy")
     max_k: int = Field(32, ge=1, le=64, description="most tokens DeepSpec drafts per sequence and step (it "
                        "picks fewer, down to 0, where they do not pay; long drafts pay in copies and loops)")

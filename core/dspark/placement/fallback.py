@@ -3,7 +3,8 @@
 When a partition fails to compile, or its executable raises (or returns
 something wrong) when run, the failure is charged to the plugin (see
 :mod:`dspark.host.faults`), that target's bids for the partition's ops are
-dropped from the bid table, and the placer plans again on what is left; the
+dropped from the bid table (:func:`plan_around`, which the adaptive runner
+uses too), and the placer plans again on what is left; the
 new plan is compiled and the run goes on. Each fallback drops at least one
 bid, so this ends: with a plan that runs, or with a :class:`PlacementError`
 naming the op no target is left for and every failure on the way.
@@ -54,6 +55,30 @@ def _cause(exc: PartitionFailed) -> str:
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
 
 
+def plan_around(host: PluginHost, graph: Graph, table: placer.BidTable, exc: PartitionFailed,
+                stage: Literal["compile", "run"]) -> str:
+    """The one routine that takes a failed partition out of the bids, used by every runner that re-plans.
+
+    A run failure is charged to the partition's plugin (a compile failure was charged by the host
+    call itself); that target's bids for the partition's ops leave ``table``, and with them every
+    bid of a plugin that has failed as a whole or lost the device (its refusal). The caller then
+    plans again on what is left. Returns the failure's cause, for the caller's record."""
+    part = exc.partition
+    reason = _cause(exc)
+    if stage == "run":
+        host.charge(part.target.plugin, "run", f"run raised {reason}",
+                    subgraph=graph.subgraph(part.ops), device=part.target.device_id)
+    for op in part.ops:
+        table.op_bids.get(op, {}).pop(part.target.key, None)
+    active = set(host.active())
+    gone = {placer.target_key(t) for t in table.targets
+            if t.plugin not in active or host.faults.refusal(t.plugin, None, t.id)}
+    for bids in table.op_bids.values():
+        for key in gone:
+            bids.pop(key, None)
+    return reason
+
+
 class ResilientPlan:
     """A compiled plan that re-plans without a failed partition's bid and goes on.
 
@@ -91,24 +116,12 @@ class ResilientPlan:
 
     def _replan(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
         part = exc.partition
-        reason = _cause(exc)
-        if stage == "run":  # compile failures were charged by the host call itself
-            self.host.charge(part.target.plugin, "run", f"run raised {reason}",
-                             subgraph=self.graph.subgraph(part.ops), device=part.target.device_id)
+        table = self._table()
+        reason = plan_around(self.host, self.graph, table, exc, stage)
         self.fallbacks.append(Fallback(stage=stage, partition=part.id, target=part.target.key,
                                        ops=list(part.ops), reason=reason))
         log.warning("placement.fallback", stage=stage, partition=part.id, target=part.target.key,
                     ops=abbreviate(part.ops), reason=reason)
-        table = self._table()
-        for op in part.ops:
-            table.op_bids.get(op, {}).pop(part.target.key, None)
-        # A plugin failed as a whole, or a device it lost, takes all its bids with it.
-        active = set(self.host.active())
-        gone = {placer.target_key(t) for t in table.targets
-                if t.plugin not in active or self.host.faults.refusal(t.plugin, None, t.id)}
-        for bids in table.op_bids.values():
-            for key in gone:
-                bids.pop(key, None)
         try:
             self.plan = placer.plan(self.graph, self.host, self.inv, table=table)
         except placer.PlacementError as err:

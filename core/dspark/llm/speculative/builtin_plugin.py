@@ -6,9 +6,9 @@ Offers, for a target running in this process:
   target's vocabulary and tokenizer: the one named by the engine's
   ``draft_model`` setting, or with ``auto`` the ones found next to the target
   that say they were made for it (the embedded model's ``stdlib-llama-draft``);
-- ``feature-head:<dir>`` (kind ``model``): a feature-level head (EAGLE-style) over the target's own
-  last hidden state, found next to the target (``dspark_head_for`` in its config) or named by
-  ``draft_head``;
+- ``feature-head:<dir>`` (kind ``model``), when ``draft_head`` asks for one: a feature-level head
+  (EAGLE-style) over the target's own last hidden states, found next to the target
+  (``dspark_head_for`` in its config, with ``auto``) or named by its directory;
 - ``self-draft`` (kind ``self``): the target's own first layers plus its LM
   head, exiting at the layer it was trained for (``dspark_early_exit_layers``
   in its config) or at the one measured best.
@@ -49,7 +49,7 @@ def dspark_drafters(target: TargetModel) -> list[DrafterSpec] | None:
                 create=partial(DraftModelDrafter, p, str(props.get("dtype", "float32")),
                                int(props.get("max_total_tokens", 8192)), int(props.get("page_size", 16)),
                                target.runtime)))
-    head_choice = str(props.get("draft_head", "auto"))
+    head_choice = str(props.get("draft_head", "none"))
     if target.path is not None and head_choice != "none" and Path(target.path).is_dir():
         from dspark.llm.speculative.head.model import find_heads
         from dspark.llm.speculative.head.drafter import FeatureHeadDrafter

@@ -14,6 +14,7 @@ from dspark.placement.adaptive import trial
 from dspark.placement.placer import FreeMemory, PartCost, host_free_memory, over_budget
 from dspark.placement.shapes import BucketKey, ShapeRouter
 from dspark.placement.executor import CompiledPlan, PartitionFailed, Span, compile_plan, random_inputs
+from dspark.placement.fallback import plan_around
 from dspark.graph.model import Graph
 from dspark.host.inventory import Inventory
 from dspark.host.log import get_logger
@@ -191,16 +192,11 @@ class AdaptiveRunner:
     def _drop(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
         """Charge a failed partition to its plugin and take its target's bids for those ops out."""
         part = exc.partition
-        cause = exc.__cause__ if exc.__cause__ is not None else exc
-        if stage == "run":  # a compile failure was charged by the host call itself
-            self.host.charge(part.target.plugin, "run", f"run raised {type(cause).__name__}: {cause}",
-                             subgraph=self.graph.subgraph(part.ops), device=part.target.device_id)
-        for op in part.ops:
-            self.table.op_bids.get(op, {}).pop(part.target.key, None)
+        cause = plan_around(self.host, self.graph, self.table, exc, stage)
         self.replans.append(f"{stage} of partition {part.id} on {part.target.key} failed ({cause}); "
                             "re-planning without that bid")
         log.warning("adaptive.partition_failed", stage=stage, partition=part.id, target=part.target.key,
-                    reason=str(cause))
+                    reason=cause)
 
     def _install_fresh(self, version: int) -> Active:
         """Plan and install, planning around partitions that fail (each failure drops at least one bid);
