@@ -11,8 +11,8 @@ from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.placement import placer
-from dspark.placement.executor import forced_plan, random_inputs, reference_outputs
-from dspark.placement.fallback import compile_with_fallback
+from dspark.placement.executor import PartitionFailed, forced_plan, random_inputs, reference_outputs
+from dspark.placement.fallback import compile_with_fallback, plan_around
 
 
 def host_with(plugin: object, name: str) -> tuple[PluginHost, Inventory]:
@@ -98,3 +98,32 @@ def test_no_target_left_names_the_op_and_the_failures() -> None:
     with pytest.raises(placer.PlacementError, match=r"no plugin bids on op 'ln1'.*after planning around "
                        r"failures: compile of partition 0 on picky@cpu.*cannot lower Softmax"):
         compile_with_fallback(graph, host, inv)
+
+
+def test_plan_around_takes_out_the_failed_bids_and_all_of_a_plugin_that_failed_as_a_whole() -> None:
+    """The one re-plan routine (placement.fallback.plan_around), which the adaptive runner shares: a run
+    failure is charged and that target's bids for the partition's ops leave the table; a plugin that has
+    failed as a whole loses every bid, wherever they were."""
+    graph = demo_graph()
+    host = PluginHost(PluginSettings(autoload=False, blocked={"ngram", "drafters"})).load()
+    host.register(RaisesAtRun(), "flaky")
+    host.register(CompileFailsOnSoftmax(), "picky")
+    inv = probe(host)
+    table = placer.collect_op_bids(host, inv, graph)
+    assert all({"flaky@cpu", "picky@cpu"} <= set(table.op_bids[op.name]) for op in graph.ops)
+    plan = forced_plan(graph, inv, lambda op: "flaky@cpu" if op in ("q_proj", "k_proj") else "torch@cpu")
+    part = next(p for p in plan.partitions if p.target.key == "flaky@cpu")
+    try:
+        raise RuntimeError("kernel launch failed")
+    except RuntimeError as cause:
+        exc = PartitionFailed(part, "raised")
+        exc.__cause__ = cause
+    reason = plan_around(host, graph, table, exc, "run")
+    assert reason == "RuntimeError: kernel launch failed"
+    assert [f.hook for f in host.records["flaky"].faults] == ["run"]
+    for op in graph.ops:
+        assert ("flaky@cpu" in table.op_bids[op.name]) == (op.name not in part.ops), op.name
+    host.fail("picky", "lost its device")
+    plan_around(host, graph, table, exc, "compile")  # a compile failure is charged by the host call: not again
+    assert [f.hook for f in host.records["flaky"].faults] == ["run"]
+    assert not any("picky@cpu" in bids for bids in table.op_bids.values())
