@@ -141,6 +141,9 @@ def test_slow_backend_loses_its_ops(demo: tuple[Graph, dict[str, np.ndarray], np
 
 def test_concurrent_callers_are_all_served_across_a_swap(
         demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
+    """Four callers keep running while the runner finds the slowed target out and swaps plans beside
+    them: every call is served, right, and recorded. When the swap comes depends on what the runs
+    measure, so the callers run until it has come (or a deadline passes), not for a fixed count."""
     graph, x, ref = demo
     host, inv = slow_host()
     runner = AdaptiveRunner(graph, host, inv, min_runs=2)
@@ -148,10 +151,11 @@ def test_concurrent_callers_are_all_served_across_a_swap(
     results: list[np.ndarray] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    stop = threading.Event()
 
     def caller() -> None:
         try:
-            for _ in range(5):
+            while not stop.is_set():
                 y = runner.run(x)["y"]
                 with lock:
                     results.append(y)
@@ -161,14 +165,23 @@ def test_concurrent_callers_are_all_served_across_a_swap(
     threads = [threading.Thread(target=caller) for _ in range(4)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 120
+    while not errors and time.monotonic() < deadline:
+        with lock:  # enough runs on the new plan that callers were served across the swap
+            swapped = sum(r.plan_version >= 1 for r in list(runner.history)) >= 4
+        if swapped:
+            break
+        time.sleep(0.05)
+    stop.set()
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert len(results) == 20 and len(runner.history) == 20
+    assert not any(t.is_alive() for t in threads)
+    assert len(results) >= len(runner.history) >= 8  # every run served; the learned ones recorded
     for y in results:
         np.testing.assert_allclose(y, ref, rtol=RTOL, atol=ATOL)
-    runner.settle()  # the re-plan ran beside the callers, in the background; it has swapped by now
-    assert runner.replans and "slow-ov@cpu" not in targets(runner)
+    runner.settle()
+    assert runner.replans and "slow-ov@cpu" not in targets(runner), runner.replans
     np.testing.assert_allclose(runner.run(x)["y"], ref, rtol=RTOL, atol=ATOL)
     assert {r.plan_version for r in runner.history} >= {0, 1}
 
