@@ -103,6 +103,20 @@ def _draft(tokens: list[int], confs: list[float], qs: list[torch.Tensor | None])
     return Draft(tokens=tokens, probs=probs, confidence=confs)
 
 
+def _extend(outs: list[tuple[list[int], list[float], list[Any]]], reqs: list[DraftRequest], toks: list[int],
+            confs: list[float], qs: list[torch.Tensor | None]) -> list[int]:
+    """Append row j's drafted token (with its confidence and distribution) to ``outs[j]``; return the
+    rows whose request wants more (below its k, and its ``keep_going`` agrees)."""
+    more = []
+    for row, (r, (ts, cs, q)) in enumerate(zip(reqs, outs)):
+        ts.append(toks[row])
+        cs.append(confs[row])
+        q.append(qs[row])
+        if len(ts) < r.k and (r.keep_going is None or r.keep_going(len(ts), confs[row])):
+            more.append(row)
+    return more
+
+
 def _draft_loop(runner: ModelRunner, cache: PagedKVCache, reqs: list[DraftRequest], first: list[SeqChunk],
                 exit_layer: int | None) -> list[Draft]:
     """Shared by both drafters: ``first`` chunks end at each context's last token."""
@@ -112,15 +126,7 @@ def _draft_loop(runner: ModelRunner, cache: PagedKVCache, reqs: list[DraftReques
     while active:
         logits = torch.stack(runner.step(cache, chunks, exit_layer=exit_layer))
         toks, confs, qs = _pick(logits, [reqs[i] for i in active])
-        nxt = []
-        for row, i in enumerate(active):
-            r, (ts, cs, q) = reqs[i], out[i]
-            ts.append(toks[row])
-            cs.append(confs[row])
-            q.append(qs[row])
-            if len(ts) < r.k and (r.keep_going is None or r.keep_going(len(ts), confs[row])):
-                nxt.append(i)
-        active = nxt
+        active = [active[j] for j in _extend([out[i] for i in active], [reqs[i] for i in active], toks, confs, qs)]
         chunks = [SeqChunk(reqs[i].seq_id, [out[i][0][-1]]) for i in active]
     return [_draft(*o) for o in out]
 

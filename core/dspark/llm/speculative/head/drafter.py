@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dspark.llm.speculative.drafters import _draft, _pick
+from dspark.llm.speculative.drafters import _draft, _extend, _pick
 from dspark.llm.speculative.head.model import FusedHead, load_head
 from dspark.types import Draft, DraftRequest
 
@@ -160,14 +160,7 @@ class FeatureHeadDrafter:
                 u = self.fast.finish(x) if q is None else self._attend(x, q, wins)
                 reqs = [requests[i] for i in active]
                 toks, confs, ps = self._pick(u @ self.Wt, reqs)
-                keep = []
-                for row, i in enumerate(active):
-                    r, (ts, cs, qq) = requests[i], out[i]
-                    ts.append(toks[row])
-                    cs.append(confs[row])
-                    qq.append(ps[row])
-                    if len(ts) < r.k and (r.keep_going is None or r.keep_going(len(ts), confs[row])):
-                        keep.append(row)
+                keep = _extend([out[i] for i in active], reqs, toks, confs, ps)
                 active = [active[j] for j in keep]
                 if not active:
                     break
