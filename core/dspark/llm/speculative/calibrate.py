@@ -118,7 +118,8 @@ class Calibration(DrafterCalls):
                         cache.reserve(s, len(ctx[s]) + k + 1)
 
                     def draft(S: int = S, k: int = k) -> None:
-                        if self._run(h, [DraftRequest(s, ctx[s], k, target_rows=[last_rows[s]]) for s in ids[:S]]) is None:
+                        reqs = [DraftRequest(s, ctx[s], k, target_rows=[last_rows[s]]) for s in ids[:S]]
+                        if self._run(h, reqs) is None:
                             raise RuntimeError(h.disabled)
 
                     try:

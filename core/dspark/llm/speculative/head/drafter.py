@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -96,7 +97,7 @@ class FeatureHeadDrafter:
         and its query; the sequence's window brought up to date from the request's rows."""
         rows = list(r.target_rows or [])
         L = len(r.tokens)
-        if not rows or L < 2 and self.window:
+        if not rows or (L < 2 and self.window):
             return None
         if self.attn is None:
             u = self._feature(rows[-1])
@@ -121,7 +122,8 @@ class FeatureHeadDrafter:
         return x[-1], q[-1]
 
     @property
-    def attn(self):  # noqa: ANN201 - the head's attention module, or None
+    def attn(self) -> Any:
+        """The head's attention module, or None (a head without attention)."""
         return self.head.attn
 
     def _attend(self, x: torch.Tensor, q: torch.Tensor, wins: list[_Window]) -> torch.Tensor:
@@ -149,7 +151,7 @@ class FeatureHeadDrafter:
                     qs.append(got[1])
             if not idx:
                 return drafts
-            out = {i: ([], [], []) for i in idx}  # type: dict[int, tuple[list[int], list[float], list[torch.Tensor | None]]]
+            out: dict[int, tuple[list[int], list[float], list[torch.Tensor | None]]] = {i: ([], [], []) for i in idx}
             active = idx
             # drafted pairs' keys join a copy of each window: the real rows replace them next call
             wins = [self.state[requests[i].seq_id] for i in idx] if self.attn is not None else []
@@ -169,8 +171,9 @@ class FeatureHeadDrafter:
                     wins = [wins[j] for j in keep]
                     pos = torch.tensor([w.pos[-1] + 1 for w in wins])
                     q, k, v = self.fast.qkv_at(x, pos)
-                    wins = [_Window((w.pos + [int(p)])[-self.window:], torch.cat([w.K, k[b:b + 1]])[-self.window:],
-                                    torch.cat([w.V, v[b:b + 1]])[-self.window:]) for b, (w, p) in enumerate(zip(wins, pos))]
+                    n = self.window
+                    wins = [_Window((w.pos + [int(p)])[-n:], torch.cat([w.K, k[b:b + 1]])[-n:],
+                                    torch.cat([w.V, v[b:b + 1]])[-n:]) for b, (w, p) in enumerate(zip(wins, pos))]
         for i, o in out.items():
             drafts[i] = _draft(*o)
         return drafts
