@@ -1,9 +1,10 @@
-"""A feature-level draft head (EAGLE-style): one small block over the target's own last hidden state.
+"""A feature-level draft head (EAGLE-style): one small block over the target's own last hidden states.
 
 The target's final-normed hidden state ``u_i`` at position ``i`` already sums up the whole
-context; the head maps ``(u_i, embed(x_{i+1}))`` to a prediction of ``u_{i+1}``, and the
-target's own LM head turns that into the next token. Drafting k tokens chains the head on its
-own predictions: k small matrix products and k LM-head rows, no KV cache, no second model.
+context; the head maps ``(u_i, embed(x_{i+1}))`` to a prediction of ``u_{i+1}`` (attending over
+the few rows before it when it has a window), and the target's own LM head turns that into the
+next token. Drafting k tokens chains the head on its own predictions: k small steps and k
+LM-head rows, no second model and at most ``window`` keys and values per sequence.
 
 It needs nothing but the target's logits: with a linear LM head and no soft-cap, ``u`` is the
 least-squares solution of ``logits = u @ W.T`` (``W`` [vocab, hidden] has full column rank),
