@@ -1,6 +1,6 @@
 """Speculative decoding benchmark (issue 6): DeepSpec vs plain, fixed drafters and transformers.
 
-Usage: .venv/bin/python benchmarks/speculative.py [--quick] [--threads 1] [--model DIR] [--rounds N]
+Usage: .venv/bin/python benchmarks/speculative.py [--quick] [--threads 1] [--model DIR] [--rounds N] [--draft-head auto]
 
 In one run, on the embedded model (or ``--model``), greedy, one request at a
 time (batch 1, the setting of transformers' assisted generation), three
@@ -235,6 +235,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, k swept over 1,2,4,8")
     ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 5, quick 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--draft-head", default="none",
+                    help="speculative_decoding.draft_head of every dspark engine (auto: the embedded feature head "
+                         "too, swept like the other drafters, and DeepSpec also timed without it)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -255,6 +258,7 @@ def main() -> None:
                                      f"{max(map(len, work[w]))} tokens, {n_out} tokens out" for w in WORKLOADS))
 
     def spec_llm(**spec: Any) -> LLM:
+        spec.setdefault("draft_head", args.draft_head)
         return LLM(model, dtype=dtype, max_batch_size=1, max_total_tokens=2048, speculative_decoding=spec)
 
     deep = spec_llm(strategy="deepspec")
@@ -320,6 +324,9 @@ def main() -> None:
         contenders.append(dspark_contender(spec_llm(strategy="fixed", drafters=[lead], num_speculative_tokens=k),
                                            f"fixed {lead} k={k}"))
     contenders.append(dspark_contender(deep, "deepspec"))
+    if args.draft_head != "none":  # what offering the head does to DeepSpec, in the same interleaved rounds
+        contenders.append(dspark_contender(spec_llm(strategy="deepspec", draft_head="none"),
+                                           "(deepspec without the head)"))
     long_lookup = None
     if "prompt-lookup" in fixed_llms:  # the same lookup drafter at DeepSpec's max_k, outside the brief's sweep
         long_lookup = dspark_contender(spec_llm(strategy="fixed", drafters=["prompt-lookup"],
