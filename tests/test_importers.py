@@ -264,3 +264,31 @@ def test_op_without_onnx_translation_names_class_and_op() -> None:
         load_model(f"{ZOO}:no_onnx_op")
     msg = str(err.value)
     assert "NoOnnxOp" in msg and "dspark_zoo.mystery" in msg
+
+
+def test_constant_ops_become_weights_so_a_partition_reading_one_compiles() -> None:
+    # The torch exporter's Unsqueeze/Reshape: axes and shapes from Constant ops. k also answers an output,
+    # so it stays an op; s (value_ints) and axes (a tensor) become initializers.
+    pytest.importorskip("openvino")
+    from dspark_plugins_cpu import support
+
+    i64 = TensorProto.INT64
+    nodes = [helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("a", i64, [1], [0])),
+             helper.make_node("Unsqueeze", ["x", "axes"], ["u"]),
+             helper.make_node("Constant", [], ["s"], value_ints=[3, 2]),
+             helper.make_node("Reshape", ["u", "s"], ["y"]),
+             helper.make_node("Constant", [], ["k"], value_float=2.0)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "consts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2]),
+         helper.make_tensor_value_info("k", TensorProto.FLOAT, [])]), opset_imports=[helper.make_opsetid("", 17)])
+    g = Graph.from_onnx(model)
+    assert [o.op_type for o in g.ops] == ["Unsqueeze", "Reshape", "Constant"]
+    assert g.initializers["axes"].tolist() == [0] and g.initializers["s"].dtype == np.int64
+    assert g.tensors["s"].shape == (2,) and g.tensors["axes"].dtype == "int64"
+    unsqueeze = g.subgraph([g.ops[0].name])
+    assert unsqueeze.inputs == ["x"] and unsqueeze.params == ["axes"]
+    # OpenVINO needs the axes at compile time to know the output's rank.
+    assert support.unsupported_reason(unsqueeze, "CPU") is None
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(_run(g, torch.from_numpy(x)), x.reshape(1, 2, 3).reshape(3, 2))

@@ -208,7 +208,7 @@ def read_onnx(
         ops.append(Op(name=node_name, op_type=node.op_type, domain=node.domain, inputs=[*node.input, *captures],
                       outputs=list(node.output), attrs=attrs, captures=captures))
     inputs = [i.name for i in g.input if i.name not in inits]
-    ops = live_ops(ops, [o.name for o in g.output])
+    ops = fold_constants(live_ops(ops, [o.name for o in g.output]), inits, tensors, {o.name for o in g.output})
     return {"name": name or g.name or Path(source).stem, "opset": opset, "ops": ops, "tensors": tensors,
             "inputs": inputs, "outputs": [o.name for o in g.output], "initializers": inits, "dim_hints": hints}
 
@@ -228,6 +228,49 @@ def live_ops(ops: list[Op], outputs: Collection[str]) -> list[Op]:
             live.append(op)
             wanted.update(t for t in op.inputs if t)
     return live[::-1] if len(live) != len(ops) else ops
+
+
+# A ``Constant`` op's value attributes and the numpy dtype each stands for.
+_CONSTANT_VALUES: dict[str, Any] = {"value": None, "value_float": np.float32, "value_floats": np.float32,
+                                    "value_int": np.int64, "value_ints": np.int64}
+
+
+def fold_constants(ops: list[Op], inits: dict[str, np.ndarray], tensors: dict[str, TensorSpec],
+                   outputs: Collection[str]) -> list[Op]:
+    """``ops`` with each standard ``Constant`` made an initializer (added to ``inits`` and ``tensors``).
+
+    Exporters write small tensors (``Unsqueeze`` axes, ``Reshape`` shapes) as
+    ``Constant`` ops; left as ops, a partition that reads one but does not
+    contain it gets the value as a run-time input, and runtimes that need it
+    at compile time (OpenVINO infers ranks from ``axes``) decline the
+    partition. As an initializer it travels into every partition that reads
+    it. A ``Constant`` that is a graph output, or holds strings or a sparse
+    tensor, stays an op.
+    """
+    kept: list[Op] = []
+    for op in ops:
+        value = _constant_value(op) if op.op_type == "Constant" and op.domain in ("", "ai.onnx") else None
+        out = op.outputs[0] if len(op.outputs) == 1 else ""
+        if value is None or not out or out in outputs or out in inits:
+            kept.append(op)
+            continue
+        try:
+            tensors[out] = TensorSpec(name=out, dtype=dtype_of(value), shape=tuple(value.shape))
+        except ValueError:  # a dtype dspark has no name for: the op stays
+            kept.append(op)
+            continue
+        inits[out] = value
+    return kept if len(kept) != len(ops) else ops
+
+
+def _constant_value(op: Op) -> np.ndarray | None:
+    if len(op.attrs) != 1:
+        return None
+    (key, value), = op.attrs.items()
+    if key not in _CONSTANT_VALUES or (key == "value" and not isinstance(value, np.ndarray)):
+        return None
+    dtype = _CONSTANT_VALUES[key]
+    return np.array(value) if dtype is None else np.asarray(value, dtype=dtype)
 
 
 def _loop_carried_shapes(g: onnx.GraphProto, tensors: dict[str, TensorSpec]) -> None:
