@@ -29,7 +29,7 @@ from speculative import WORKLOADS, make_workloads  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.builtin.ngram import PromptLookupDrafter  # noqa: E402
 from dspark.llm.api import default_model_path  # noqa: E402
-from dspark.llm.runner.model import SeqChunk  # noqa: E402
+from dspark.llm.runner.types import SeqChunk  # noqa: E402
 
 
 def verify_cost(llm: LLM, ks: tuple[int, ...] = (0, 1, 4, 8, 16, 32), reps: int = 15) -> tuple[float, float, float]:

@@ -43,7 +43,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from dspark.graph import Subgraph
-    from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
+    from dspark.types.decoder import CompiledDecoder, DecoderSpec
     from dspark.types import (
         Bid,
         DecoderBid,

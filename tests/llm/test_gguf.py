@@ -194,7 +194,7 @@ def test_llama3_rope_from_rope_freqs(hf_checkpoint: Callable[[str], Path], tmp_p
         refs.append(out[0, len(p):].tolist())
     assert _greedy(llm, prompts) == refs
     # Tokens alone barely tell the scalings apart at these lengths; the logits do (default RoPE is ~0.1 off).
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
     runner = llm.engine.runner
     last = runner.step(runner.make_cache(8, 16), [SeqChunk("x", prompts[1])])[0]

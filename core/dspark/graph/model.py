@@ -227,6 +227,8 @@ class Subgraph(BaseModel):
 
     def to_onnx(self, *, dynamic: bool = False) -> onnx.ModelProto:
         """This subgraph as a standalone ONNX model (inputs, weights as initializers, outputs)."""
-        from dspark.graph.onnx_io import subgraph_to_onnx
+        from dspark.graph.onnx_io import ops_to_onnx
 
-        return subgraph_to_onnx(self, dynamic=dynamic)
+        g = self.graph
+        return ops_to_onnx(self.ops, self.inputs, self.outputs, self.params, name=g.name, opset=g.opset,
+                           tensors=g.tensors, initializers=g.initializers, dynamic=dynamic)

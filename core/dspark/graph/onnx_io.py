@@ -1,7 +1,8 @@
 """Conversion between ONNX models and :class:`dspark.graph.model.Graph`.
 
 Reading gives the graph's fields (:meth:`Graph.from_onnx` builds and annotates
-the graph), so this module needs the graph's elements but not the graph type.
+the graph) and writing takes a subgraph's pieces, so this module needs the
+graph's elements but not the graph types, and imports nothing that imports it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import re
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,9 +21,6 @@ from onnx import helper, inliner, numpy_helper, shape_inference
 from dspark.graph.control_flow import free_names, node_captures
 from dspark.graph.elements import Op, TensorSpec, dtype_of
 from dspark.types import DType
-
-if TYPE_CHECKING:
-    from dspark.graph.model import Subgraph
 
 _ONNX_TO_DTYPE: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
@@ -360,26 +358,31 @@ def _value_info(spec: TensorSpec, dynamic: bool) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(spec.name, _DTYPE_TO_ONNX[spec.dtype], shape if spec.rank_known else None)
 
 
-def subgraph_to_onnx(sg: Subgraph, *, dynamic: bool = False) -> onnx.ModelProto:
-    g = sg.graph
+def ops_to_onnx(ops: list[Op], inputs: list[str], outputs: list[str], params: list[str], *, name: str,
+                opset: int, tensors: dict[str, TensorSpec], initializers: dict[str, np.ndarray],
+                dynamic: bool = False) -> onnx.ModelProto:
+    """``ops`` as a standalone ONNX model: ``inputs``, ``params`` as initializers, ``outputs``.
+
+    :meth:`dspark.graph.model.Subgraph.to_onnx` calls it with its own pieces.
+    """
     nodes = []
-    for op in sg.ops:
+    for op in ops:
         attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
                  for k, v in op.attrs.items()}
         # Captured tensors are graph inputs (or weights) the bodies read by name, not node inputs.
         nodes.append(helper.make_node(op.op_type, op.node_inputs, op.outputs, name=op.name, domain=op.domain,
                                       **attrs))
-    missing = [t for t in sg.inputs + sg.outputs if t not in g.tensors]
+    missing = [t for t in inputs + outputs if t not in tensors]
     if missing:
-        raise UnsupportedModelError(f"subgraph of {g.name!r}: no shape/dtype known for tensors {missing}")
+        raise UnsupportedModelError(f"subgraph of {name!r}: no shape/dtype known for tensors {missing}")
     graph = helper.make_graph(
         nodes,
-        f"{g.name}_sub",
-        [_value_info(g.tensors[t], dynamic) for t in sg.inputs],
-        [_value_info(g.tensors[t], dynamic) for t in sg.outputs],
-        initializer=[numpy_helper.from_array(g.initializers[p], p) for p in sg.params],
+        f"{name}_sub",
+        [_value_info(tensors[t], dynamic) for t in inputs],
+        [_value_info(tensors[t], dynamic) for t in outputs],
+        initializer=[numpy_helper.from_array(initializers[p], p) for p in params],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)], producer_name="dspark")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="dspark")
     model.ir_version = min(model.ir_version, 9)  # readable by every runtime we drive
     return model
 

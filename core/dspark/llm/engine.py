@@ -23,7 +23,7 @@ from dspark.llm.logits import (
     token_logprobs,
 )
 from dspark.llm.runner.loader import load_config
-from dspark.llm.runner.model import SeqChunk
+from dspark.llm.runner.types import SeqChunk
 from dspark.llm.outputs import EngineStats, RequestOutput, Usage
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
@@ -33,6 +33,7 @@ log = get_logger("dspark.llm.engine")
 if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
     from dspark.host.plugin_manager import PluginHost
+    from dspark.llm.decoding.setup import StartContext
     from dspark.llm.speculative.decoder import SpecDecoder
 
 
@@ -87,7 +88,9 @@ class LLMEngine:
                 self.runner, cfg.dense_offload, layer_devices=devs, host=self.plugin_host, inv=self.inventory)
         from dspark.llm.decoding.setup import setup_runner
 
-        self.packed_linear, self.decoder_choice, page = setup_runner(self)  # what runs the decoder, and why
+        started = setup_runner(self._start_context(), self.runner)  # what runs the decoder, and why
+        self.runner, self.packed_linear, self.decoder_choice = started.runner, started.packed_linear, started.choice
+        page = started.page_size
         self.cache = self.runner.make_cache(-(-total // page), page)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
@@ -125,7 +128,15 @@ class LLMEngine:
         """(runner, choice) for another model this engine runs (the draft model), placed as its own decoder."""
         from dspark.llm.decoding.setup import place_other
 
-        return place_other(self, runner, path, max_total_tokens)
+        return place_other(self._start_context(), runner, path, max_total_tokens)
+
+    def _start_context(self) -> StartContext:
+        from dspark.llm.decoding.setup import StartContext
+
+        return StartContext(config=self.config, model_path=self.model_path, gguf=self.gguf,
+                            quant_plan=self.quant_plan, placement=self.placement, dense_offload=self.dense_offload,
+                            plugin_host=lambda: self.plugin_host, inventory=lambda: self.inventory,
+                            load_torch_runner=self.load_torch_runner)
 
     @property
     def inventory(self) -> Inventory:
@@ -144,7 +155,7 @@ class LLMEngine:
         return runner
 
     def _quantize(self, cfg: EngineConfig, runner: Any = None) -> None:
-        from dspark.llm.quantization.convert import PLAN_FILE, is_optimized
+        from dspark.llm.runner.loader import PLAN_FILE, is_optimized
 
         runner = self.runner if runner is None else runner
         if getattr(runner, "is_weightless", False):

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from dspark.host.inventory import Inventory
-    from dspark.llm.runner.loader import ModelConfig
+    from dspark.llm.runner.types import ModelConfig
     from dspark.llm.runner.model import ModelRunner
     from dspark.host.plugin_manager import PluginHost
     from dspark.types import Bid, Device, Executable

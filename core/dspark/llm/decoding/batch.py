@@ -10,7 +10,7 @@ from dspark.sdk.decoder import SeqBatch, StepBatch
 
 if TYPE_CHECKING:
     from dspark.llm.runner.kv_cache import PagedKVCache
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
 
 def build_batch(cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None = None) -> StepBatch:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.llm.runner.kv_cache import PagedKVCache
-from dspark.llm.runner.model import SeqChunk
+from dspark.llm.runner.types import SeqChunk
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dspark.llm.gguf.metadata import SUPPORTED_ARCHITECTURES, GGUFError, is_gguf
 from dspark.llm.gguf.plan import TypeDecision
 
 if TYPE_CHECKING:
-    from dspark.llm.runner.loader import ModelConfig
+    from dspark.llm.runner.types import ModelConfig
     from dspark.llm.runner.model import ModelRunner
     from dspark.llm.runner.quant_plan import QuantPlan
 

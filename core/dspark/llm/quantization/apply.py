@@ -242,7 +242,7 @@ def decode_step_ms(runner: ModelRunner, installed: list[tuple[str, Callable[[tor
     import statistics
     import time
 
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
     cache = runner.make_cache(-(-(32 + steps * rounds * 2 + 2) // 16) + 1, 16)
     prompt = [i % runner.cfg.vocab_size for i in range(3, 35)]

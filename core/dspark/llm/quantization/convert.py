@@ -249,7 +249,6 @@ def _convert_gguf(src: Path, out: Path, qcfg: QuantizationConfig, **kw: Any) -> 
 def _meta(src: Path, qcfg: QuantizationConfig, plan: QuantPlan, tmp: Path) -> dict[str, Any]:
     import importlib.metadata as md
 
-    import dspark
     from dspark.hookspecs import API_VERSION
 
     def version(dist: str) -> str | None:
@@ -260,7 +259,7 @@ def _meta(src: Path, qcfg: QuantizationConfig, plan: QuantPlan, tmp: Path) -> di
 
     calib = qcfg.calibration_data_path
     return {
-        "format": FORMAT, "dspark": dspark.__version__, "plugin_api": API_VERSION,
+        "format": FORMAT, "dspark": version("dspark"), "plugin_api": API_VERSION,
         "versions": {d: version(d) for d in ("torch", "openvino", "onnxruntime-gpu", "onnxruntime", "safetensors")},
         "source": {"name": src.name, "sha256": source_hash(src)},
         "quantization": {**json.loads(qcfg.model_dump_json()), "calibration_data_path": None if calib is None

@@ -31,7 +31,7 @@ def heldout_windows(model_path: str | Path, seq_len: int = 256, max_windows: int
 @torch.inference_mode()
 def nll_sum(runner: ModelRunner, windows: list[list[int]], batch: int = 8) -> tuple[float, int, int]:
     """(summed negative log-likelihood, correct top-1 predictions, predicted tokens)."""
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
     longest = max(len(w) for w in windows)
     page = 16

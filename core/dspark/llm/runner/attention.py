@@ -26,7 +26,7 @@ from dspark.llm.runner.attention_plan import (
 from dspark.llm.runner.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
 DecodePlan = list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]]
 PrefillPlan = list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]

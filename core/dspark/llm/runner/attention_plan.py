@@ -17,7 +17,7 @@ import torch
 from dspark.llm.runner.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
 # A decode SDPA call's fixed cost, in padded-token equivalents, for grouping rows by length.
 _GROUP_COST = 64

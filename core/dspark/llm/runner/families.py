@@ -4,16 +4,13 @@
 into the one set of fields the runner reads: which layers slide and how far,
 which RoPE each layer uses, the norms and caps around attention. Defaults are
 transformers' own for fields a config leaves out, so a checkpoint means the same
-here as under ``AutoModelForCausalLM``. :func:`expected_shapes` lists the
-tensors a family's checkpoint holds.
+here as under ``AutoModelForCausalLM``. What the fields then mean for the
+tensors a checkpoint holds is :func:`dspark.llm.runner.types.expected_shapes`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dspark.llm.runner.loader import ModelConfig
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -166,34 +163,3 @@ def normalise(raw: dict[str, Any], source: str) -> dict[str, Any]:
     elif mt == "gemma3_text":
         d["attn_logit_softcapping"] = None  # Gemma 3's attention never applies it, whatever the config says
     return d
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the runner reads, by its Hugging Face name, with its shape."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        a = p + "self_attn."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   a + "o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, i)}
-        if cfg.fused_projections:
-            shapes |= {a + "qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h)}
-        else:
-            shapes |= {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)}
-        if cfg.attention_bias:
-            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
-        if cfg.o_bias:
-            shapes[a + "o_proj.bias"] = (h,)
-        if cfg.qk_norm:
-            shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
-        if cfg.gemma:
-            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
-    return shapes

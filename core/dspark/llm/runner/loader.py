@@ -14,15 +14,14 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from safetensors import safe_open
 
+from dspark.llm.runner.types import ModelConfig, expected_shapes
 from dspark.llm.runner.families import (
-    SLIDING,
     SUPPORTED_MODEL_TYPES,
     SUPPORTED_ROPE_TYPES,
     CheckpointError,
-    expected_shapes,
     normalise,
 )
 from dspark.llm.runner.layout import EMBED, HEAD
@@ -39,57 +38,6 @@ _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-class ModelConfig(BaseModel):
-    """The subset of a Hugging Face config the runner needs, normalised across families and versions
-    (dspark.llm.runner.families says what each family's fields mean)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v biases
-    o_bias: bool = False
-    sliding_window: int | None = None  # the window of the layers whose layer_types entry is sliding_attention
-    layer_types: tuple[str, ...] = ()  # per layer: full_attention or sliding_attention
-    rope_layers: tuple[bool, ...] = ()  # per layer: whether RoPE applies (SmolLM3 leaves some without)
-    local_rope: dict[str, Any] | None = None  # Gemma 3: the sliding layers' own RoPE (rope_type, rope_theta, ...)
-    partial_rotary_factor: float = 1.0  # the share of head_dim that RoPE rotates (Phi-4-mini: 0.75)
-    hidden_act: str = "silu"
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
-    # Gemma 2/3: (1 + w) RMSNorms, sqrt(hidden) embedding scale, norms on the attention and MLP outputs.
-    gemma: bool = False
-    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 instead of head_dim ** -0.5
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    fused_projections: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str | None = None
-
-    @property
-    def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer`` (it attends to its last this-many positions), None = full."""
-        if self.sliding_window is None or not self.layer_types or self.layer_types[layer] != SLIDING:
-            return None
-        return self.sliding_window
 
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,25 +29,11 @@ from dspark.llm.runner.attention import StepAttention
 from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
-from dspark.llm.runner.loader import ModelConfig, load_checkpoint, resolve_dtype
+from dspark.llm.runner.loader import load_checkpoint, resolve_dtype
 from dspark.llm.runner.rope import Rope, apply_rope, longrope_splits
+from dspark.llm.runner.types import ModelConfig, SeqChunk
 
 __all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
-
-
-@dataclass
-class SeqChunk:
-    """New tokens of one sequence to run this step; their K/V land after the cached ones."""
-
-    seq_id: str
-    token_ids: list[int]
-    all_logits: bool = False  # logits for every position (speculative verification), not just the last
-    # With all_logits: return the final-normed hidden rows [n, hidden] instead of logits; the caller
-    # runs ``ModelRunner.head`` on the rows it needs (greedy verification stops at the first mismatch).
-    hidden_only: bool = False
-    # The sequence's prompt length where known: RoPE that changes with the context (LongRoPE, dynamic NTK)
-    # takes a prompt row's context as the whole prompt, as transformers' one-shot prefill does.
-    prompt_len: int | None = None
 
 
 def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,14 +18,11 @@ failure leaves the plain path with the reason logged.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from dspark.host.log import get_logger
-
-if TYPE_CHECKING:
-    from dspark.llm.runner.model import ModelRunner
 
 log = get_logger(__name__)
 
@@ -33,6 +30,17 @@ PackMode = Literal["auto", "on", "off"]
 # ``auto`` packs while the extra copy stays under this share of the available memory.
 AUTO_MEMORY_SHARE = 0.25
 _BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; one hint serves every step size
+
+
+class Packable(Protocol):
+    """What packing reads of a runner (:class:`dspark.llm.runner.model.ModelRunner` is one)."""
+
+    dtype: torch.dtype
+    layer_devices: list[torch.device] | None
+
+    def float_projections(self) -> list[tuple[Any, str, bool, str]]:
+        """(owner, weight attribute, stored transposed?, packed slot) of each float projection."""
+        ...
 
 
 @functools.cache
@@ -80,7 +88,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
 
 
-def packable(runner: ModelRunner) -> str | None:
+def packable(runner: Packable) -> str | None:
     """None when ``runner`` can take packed copies, else why not."""
     if runner.dtype != torch.float32:
         return f"the model runs in {runner.dtype} (packing is float32 only)"
@@ -89,7 +97,7 @@ def packable(runner: ModelRunner) -> str | None:
     return unavailable_reason()
 
 
-def pack_runner(runner: ModelRunner, mode: PackMode = "auto", available_bytes: int | None = None) -> str:
+def pack_runner(runner: Packable, mode: PackMode = "auto", available_bytes: int | None = None) -> str:
     """Give ``runner``'s float projections (and LM head) packed copies per ``mode``; returns what was done.
 
     Projections already replaced by a quantized kernel keep that kernel and get no copy.

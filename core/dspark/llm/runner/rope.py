@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from dspark.llm.runner.model import SeqChunk
+    from dspark.llm.runner.types import SeqChunk
 
 
 def _inv(base: float, dim: int) -> torch.Tensor:
