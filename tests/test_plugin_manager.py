@@ -38,6 +38,24 @@ def test_builtins_load_and_probe() -> None:
     assert inv.device("cpu").peak_flops["float32"] > 0
 
 
+def test_builtins_are_the_builtin_entry_point_group_and_load_without_autoload() -> None:
+    import importlib.metadata as md
+
+    from dspark.host.plugin_manager import BUILTIN_GROUP
+
+    declared = {ep.name: ep.value for ep in md.entry_points(group=BUILTIN_GROUP)}
+    assert declared == {"torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram",
+                        "drafters": "dspark.llm.speculative.builtin_plugin"}
+    host = bare_host()  # autoload off: no `dspark` entry point, the built-ins all the same
+    assert {n: (r.source, r.module) for n, r in host.records.items()} == {
+        n: ("builtin", module) for n, module in declared.items()}
+    assert all(host.is_builtin(n) for n in declared)
+    host.register(Good(), "good")
+    assert not host.is_builtin("good") and not host.is_builtin("nobody")
+    blocked = bare_host(blocked={"ngram"})  # selected and blocked like any other plugin
+    assert blocked.records["ngram"].status == PluginStatus.BLOCKED and "ngram" not in blocked.active()
+
+
 def test_good_plugin_merges_with_builtin_on_same_device() -> None:
     host = bare_host()
     host.register(Good(), "good")

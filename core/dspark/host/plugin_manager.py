@@ -38,10 +38,11 @@ from dspark.types import (
 
 log = get_logger("dspark.plugins")
 
-BUILTINS: dict[str, str] = {
-    "torch": "dspark.builtin.torch_ref", "ngram": "dspark.builtin.ngram", "drafters": "dspark.llm.speculative.builtin_plugin",
-}
 ENTRY_POINT_GROUP = "dspark"
+# dspark's own plugins (the torch reference executor, the lookup drafters, the engine's drafter offers) are
+# entry points of this group in dspark's package metadata: the host loads them as it loads any other, names
+# none of them, and loads them whatever the autoload setting.
+BUILTIN_GROUP = "dspark.builtin"
 
 
 class PluginError(RuntimeError):
@@ -96,8 +97,12 @@ class PluginHost:
 
     def load(self) -> PluginHost:
         """Load built-ins, entry points (unless autoload is off) and ``-p`` modules."""
-        for name, module in BUILTINS.items():
-            self._load_by_import(name, module, "builtin", version=_dist_version("dspark"))
+        builtins = sorted(importlib.metadata.entry_points(group=BUILTIN_GROUP), key=lambda e: e.name)
+        if not builtins:  # metadata from before the built-ins were entry points
+            log.warning("plugin.no_builtins", group=BUILTIN_GROUP,
+                        hint="dspark's package metadata lists no built-in plugins: reinstall dspark")
+        for ep in builtins:
+            self._load_by_import(ep.name, ep.value, "builtin", version=_dist_version("dspark"), loader=ep.load)
         if self.settings.autoload:
             for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
                 version = ep.dist.version if ep.dist is not None else ""
@@ -177,6 +182,11 @@ class PluginHost:
             self.records[record.name] = record
 
     # -- status --------------------------------------------------------------
+
+    def is_builtin(self, name: str) -> bool:
+        """Whether ``name`` is one of dspark's own plugins (they run inline, without a call guard)."""
+        record = self.records.get(name)
+        return record is not None and record.source == "builtin"
 
     def active(self) -> list[str]:
         """Plugins still taking calls (active or without hardware), in load order."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dspark.host.plugin_manager import BUILTINS, PluginHost
+from dspark.host.plugin_manager import PluginHost
 from dspark.llm.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
 from dspark.llm.logits import TokenLogprobs
@@ -134,7 +134,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.failures = 0
         for o in offers:
             # Built-in drafters run inline; a third party's run on a guarded thread, with a deadline.
-            guard = None if o.plugin in BUILTINS else CallGuard(o.name, cfg.drafter_timeout_s)
+            guard = None if self.host.is_builtin(o.plugin) else CallGuard(o.name, cfg.drafter_timeout_s)
             try:
                 obj = o.create() if guard is None else guarded_create(o, cfg.drafter_timeout_s)
                 if not callable(getattr(obj, "propose", None)) and not callable(getattr(obj, "propose_batch", None)):

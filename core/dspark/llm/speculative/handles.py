@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from dspark.host.log import get_logger
-from dspark.host.plugin_manager import BUILTINS
 from dspark.llm.call_guard import CallGuard
 from dspark.llm.speculative.controller import RLS, draft_x
 from dspark.types import Draft, DraftRequest
@@ -78,7 +77,7 @@ def guarded_create(offer: Any, timeout_s: float) -> Any:
 
 def stateful(h: Handle) -> bool:
     """A built-in drafter whose learned state ``snapshot``/``restore`` cover (a third party's is its own)."""
-    return h.plugin in BUILTINS and callable(getattr(h.obj, "snapshot", None)) \
+    return h.guard is None and callable(getattr(h.obj, "snapshot", None)) \
         and callable(getattr(h.obj, "restore", None))
 
 
