@@ -624,6 +624,26 @@ def test_builtin_drafters_come_through_the_hook(target4: Path) -> None:
     assert "self-draft" not in offers  # only for a target running in this process (target.runtime)
 
 
+def test_drafters_get_the_targets_runner_and_cache_not_the_engine(spec_llm: Callable[..., LLM]) -> None:
+    seen: list[Any] = []
+
+    class Records:
+        DSPARK_API_VERSION = "1.1"
+
+        @dspark.hookimpl
+        def dspark_drafters(self, target: TargetModel) -> None:
+            seen.append(target.runtime)
+
+    host = PluginHost(PluginSettings(autoload=False)).load()
+    host.register(Records(), "records")
+    llm = spec_llm({"strategy": "fixed", "drafters": ["prompt-lookup"], "num_speculative_tokens": 2},
+                   plugin_host=host)
+    (rt,) = seen
+    engine = llm.engine
+    assert rt.runner is engine.runner and rt.cache is engine.cache and callable(rt.place_decoder)
+    assert rt is not engine and not hasattr(rt, "scheduler") and not hasattr(rt, "spec")
+
+
 def test_plugin_api_1_0_drafters_still_load() -> None:
     host = PluginHost(PluginSettings(autoload=False)).load()
 

@@ -107,7 +107,7 @@ class LLMEngine:
             self.spec = SpecDecoder(cfg.speculative, runner=self.runner, cache=self.cache, model_path=self.model_path,
                                     max_model_len=max_len, max_batch_size=self.config.max_batch_size,
                                     eos_ids=self.eos_ids, default_gen=self._default_gen, host=self.plugin_host,
-                                    runtime=self)
+                                    place_decoder=self.place_decoder)
         self.load_seconds = time.perf_counter() - t_start
         ref = getattr(self.runner, "reference", self.runner)
         log.info("llm.engine.loaded", model=str(self.model_path), seconds=round(self.load_seconds, 2),

@@ -315,8 +315,9 @@ class TargetModel(_Strict):
     properties: dict[str, Any] = Field(default_factory=dict)
     runtime: Any = Field(
         None, exclude=True, repr=False,
-        description="API 1.1: the in-process engine running the target (its ``runner`` and KV ``cache``), so a "
-        "drafter can reuse the target's own weights and cache (self-speculation); None when not in-process.")
+        description="API 1.1: what runs the target in-process: its ``runner`` and KV ``cache``, so a drafter "
+        "can reuse the target's own weights and cache (self-speculation), and ``place_decoder`` (or None); "
+        "not the engine itself. None when not in-process.")
 
 
 class DrafterSpec(BaseModel):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ from dspark.llm.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
 from dspark.llm.logits import TokenLogprobs
 from dspark.llm.runner.kv_cache import PagedKVCache
-from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.runner.model import ModelRunner
+from dspark.llm.runner.types import SeqChunk
 from dspark.llm.sampling import distribution
 from dspark.llm.scheduler import ScheduledChunk, Sequence
 from dspark.llm.speculative.calibrate import Calibration
@@ -46,6 +48,7 @@ from dspark.llm.speculative.drafters import (
 )
 from dspark.llm.speculative.handles import Handle, guarded_create, log
 from dspark.llm.speculative.learner import Learner
+from dspark.llm.speculative.offers import TargetRuntime, collect_drafters
 from dspark.llm.speculative.predictor import AcceptancePredictor
 from dspark.llm.speculative.proposer import (
     _EXPLORE_FIRST,
@@ -87,9 +90,11 @@ class SpecDecoder(Proposer, Learner, Calibration):
 
     def __init__(self, cfg: SpeculativeConfig, *, runner: ModelRunner, cache: PagedKVCache, model_path: Path,
                  max_model_len: int, max_batch_size: int, eos_ids: set[int], default_gen: torch.Generator,
-                 host: PluginHost, runtime: Any = None) -> None:
-        """``host``: the engine's plugin host, whose ``dspark_drafters`` offers are used; ``runtime``: what
-        drafters receive as ``TargetModel.runtime`` (the engine: its ``runner`` and ``cache``)."""
+                 host: PluginHost, place_decoder: Callable[[Any, Path, int], tuple[Any, Any]] | None = None
+                 ) -> None:
+        """``host``: the engine's plugin host, whose ``dspark_drafters`` offers are used; ``place_decoder``:
+        how the engine places another model's decoder (a draft model's), handed to drafters with the
+        runner and cache as ``TargetModel.runtime`` (:class:`.offers.TargetRuntime`)."""
         self.cfg = cfg
         self.strategy = cfg.strategy
         self.runner, self.cache = runner, cache
@@ -120,8 +125,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
                         "page_size": cache.page_size,
                         # a compiled decoder that runs no early exit (a whole-model runtime) gets no self-draft
                         "runs_early_exit": getattr(getattr(runner, "current", None), "exit_layers", True)},
-            runtime=runtime)
-        from dspark.llm.speculative.offers import collect_drafters
+            runtime=TargetRuntime(runner, cache, place_decoder))
 
         self.host = host
         offers = collect_drafters(self.host, target)

@@ -136,8 +136,9 @@ class DraftModelDrafter:
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_total_tokens: int = 8192,
                  page_size: int = 16, runtime: Any = None) -> None:
-        """``runtime``: the target's engine; with it, the draft model's decoder is placed as the
-        target's is (its plugins bid, the fastest measured runs; ``decoder_choice`` says which)."""
+        """``runtime``: the target's (``TargetModel.runtime``); with its ``place_decoder`` the draft model's
+        decoder is placed as the target's is (its plugins bid, the fastest measured runs; ``decoder_choice``
+        says which)."""
         self.path = Path(path)
         self.runner: Any = ModelRunner.from_pretrained(str(path), dtype)
         from dspark.llm.runner.packed_linear import pack_runner
