@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+# The tests' shared helpers are imported by bare name from every folder below (pytest's default
+# 'prepend' import mode, no __init__.py files): bad_plugins and plugin_install live here, in tests/;
+# llm_testutil and logits_testutil in tests/llm/. Pytest would put both folders on sys.path anyway
+# when it loads their conftest.py files; saying so here keeps a test module in a deeper folder
+# importable however it is started. Test module names stay unique across tests/ for the same reason.
+_TESTS = Path(__file__).resolve().parent
+for _helpers in (_TESTS, _TESTS / "llm"):
+    if str(_helpers) not in sys.path:
+        sys.path.insert(0, str(_helpers))
 
 # One cache per test session, shared with the subprocesses the tests start,
 # so microbenchmarks run once and the user's ~/.cache is never touched.
@@ -14,7 +26,7 @@ os.environ["DSPARK_CACHE_DIR"] = _CACHE
 for var in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD", "DSPARK_HOOK_TIMEOUT", "DSPARK_TRACE"):
     os.environ.pop(var, None)
 # The engine's decoder defaults to the torch runner here: most tests are about the engine's own logic
-# and compare with transformers on it. tests/llm/test_decoder_targets.py runs 'auto' and every plugin's
+# and compare with transformers on it. tests/llm/decoding/test_decoder_targets.py runs 'auto' and every plugin's
 # compiled decoder through the same engine features, and the server tests start a real 'auto' server.
 os.environ["DSPARK_DECODER"] = "torch"
 

@@ -35,7 +35,7 @@ from dspark.host.settings import PluginSettings  # noqa: E402
 from dspark.placement.executor import compile_plan, forced_plan  # noqa: E402
 from dspark.placement.fallback import compile_with_fallback  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "models" / "flax_zoo.py"
 sys.path.insert(0, str(ZOO.parent))
 import flax_zoo  # noqa: E402

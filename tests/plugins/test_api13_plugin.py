@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from plugin_install import install_plugin
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "tests" / "fixtures" / "dspark-api13"
 
 

@@ -19,7 +19,7 @@ from dspark.placement.profile import ProfileError, load_profile, parse_profile, 
 from dspark.testing import demo_graph, demo_onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "tests" / "profiles"
 
 

@@ -21,7 +21,7 @@ from dspark.graph.model import Graph
 from dspark.graph.importers import ModelSpecError, load_factory, load_model
 from dspark.graph.onnx_io import UnsupportedModelError
 
-ZOO = str(Path(__file__).parent / "models" / "zoo.py")
+ZOO = str(Path(__file__).parents[1] / "models" / "zoo.py")
 
 
 def _ref(spec: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -229,7 +229,7 @@ def _model(node: onnx.NodeProto, extra_opsets: list[onnx.OperatorSetIdProto] | N
 
 
 def test_control_flow_is_one_op_carrying_its_branches(tmp_path: Path) -> None:
-    # (It was refused before ONNX control flow was imported; tests/test_control_flow.py covers it whole.)
+    # (It was refused before ONNX control flow was imported; tests/graph/test_control_flow.py covers it whole.)
     def branch(op: str, domain: str = "") -> onnx.GraphProto:
         return helper.make_graph([helper.make_node(op, ["x"], ["z"], domain=domain)], op, [],
                                  [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])

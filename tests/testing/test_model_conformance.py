@@ -11,7 +11,7 @@ from dspark.graph.importers import load_model
 from dspark.placement.executor import random_inputs
 from dspark.testing import REAL_MODELS, check_plugin, model_op_cases, real_model
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
 
 @pytest.fixture(scope="module")

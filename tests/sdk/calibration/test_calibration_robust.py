@@ -26,7 +26,7 @@ from dspark.sdk import calibration
 from dspark.sdk.calibration import estimates, load, observations, sampling, store
 from dspark.types import Device
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "dspark-numpy" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "plugins" / "dspark-numpy" / "src"))
 import dspark_numpy
 
 FAST, SPIKE = 0.0031, 0.4198  # seconds: the subgraph, and the subgraph during the load spike

@@ -27,7 +27,7 @@ from dspark.placement.profile import profile_host
 from dspark.testing import demo_onnx
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "tests" / "profiles" / "split_box.yaml"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

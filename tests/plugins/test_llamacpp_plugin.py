@@ -1,5 +1,6 @@
 """The llamacpp plugin (plugins/dspark-llamacpp) as scripts/setup.sh installs it: a distribution of its own,
-found through its ``dspark`` entry point, whose own suite passes. The engine on it: tests/llm/test_llamacpp_decoder.py.
+found through its ``dspark`` entry point, whose own suite passes. The engine on it:
+tests/llm/decoding/test_llamacpp_decoder.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 pytest.importorskip("dspark_llamacpp", reason="the llamacpp plugin is not installed (scripts/setup.sh)")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "plugins" / "dspark-llamacpp"
 
 

@@ -25,7 +25,7 @@ from dspark.testing.onnx_node import (
 )
 from dspark.types import Bid, Device
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((REPO / "docs" / "onnx-node-conformance.json").read_text())
 sys.path.insert(0, str(REPO / "plugins" / "dspark-numpy" / "src"))
 import dspark_numpy  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from dspark.host import cache
 from dspark.sdk import calibration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dspark(cache_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
 from dspark.testing import op_case
 from dspark.types import Bid, Device, Executable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "dspark-numpy" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "plugins" / "dspark-numpy" / "src"))
 import dspark_numpy  # noqa: E402
 
 PLUGINS: dict[str, Any] = {"openvino": dspark_plugins_cpu, "onnxruntime": dspark_plugins_npu,
@@ -48,7 +48,7 @@ def devices() -> dict[str, Device]:
 @pytest.fixture(autouse=True)
 def fresh_calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Calibrations go to an empty cache, so each test measures what it asserts about. The host is
-    never judged busy here (tests/test_calibration_robust.py covers that): a load spike from another
+    never judged busy here (tests/sdk/calibration/test_calibration_robust.py covers that): a load spike from another
     process must not make a cached entry due for re-measuring in the middle of a test about caching."""
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DSPARK_CALIBRATE", raising=False)

@@ -258,7 +258,7 @@ def test_session_is_exported_from_the_package() -> None:
 
 
 def test_the_readmes_python_api_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Python API"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
     assert "dspark.Session(" in snippet
