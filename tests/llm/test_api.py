@@ -168,7 +168,7 @@ def test_async_id_clash_with_sync_api_reaches_the_caller(make_llm: Callable[...,
 
 
 def test_sliding_window_leaves_max_model_len_alone(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    # The runner honours sliding windows (tests/llm/test_families.py), so a window no longer caps the length.
+    # The runner honours sliding windows (tests/llm/runner/test_families.py), so a window no longer caps the length.
     import json
     import shutil
 

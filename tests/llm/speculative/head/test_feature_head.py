@@ -16,7 +16,7 @@ from dspark.llm.speculative.head.model import FeatureHead, find_heads, load_head
 from dspark.llm.speculative.head.drafter import FeatureHeadDrafter, target_matrices
 from dspark.types import DraftRequest
 
-EMBEDDED = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models"
+EMBEDDED = Path(__file__).resolve().parents[4] / "core" / "dspark" / "assets" / "models"
 
 
 @pytest.fixture(scope="module", params=[0, 4], ids=["mlp", "window4"])

@@ -28,7 +28,7 @@ dspark_llamacpp = pytest.importorskip("dspark_llamacpp", reason="the llamacpp pl
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
 from dspark_llamacpp import runtime as lrt  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 _run, _engine, _greedy = run_prompts, float_engine, greedy
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 
-MODEL = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+MODEL = Path(__file__).resolve().parents[3] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
 PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
            "for i in range(10):\n    print(i)\nfor j in range(", "# a long comment " * 6]
 

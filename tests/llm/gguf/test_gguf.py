@@ -269,7 +269,7 @@ def _file_tokenizer(path: Path) -> Any:
 
 def _start_server() -> Callable[..., Any]:
     """tests/server/conftest.py's start_server (a real server process), loaded by path from here."""
-    spec = importlib.util.spec_from_file_location("server_conftest", Path(__file__).parents[1] / "server" / "conftest.py")
+    spec = importlib.util.spec_from_file_location("server_conftest", Path(__file__).parents[2] / "server" / "conftest.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up while being defined
