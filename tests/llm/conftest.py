@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 from llm_testutil import make_checkpoint
+from logits_testutil import PROMPTS, ChoiceConstraint
+
+from dspark.llm import LLM, GuidedSpec
 
 
 @pytest.fixture(autouse=True)
@@ -51,3 +57,51 @@ def make_llm(checkpoint: Callable[[str], Path]) -> Iterator[Callable[..., Any]]:
     for llm in made:
         llm.engine.abort_all()
     assert not leaked, f"KV pages not returned at the end of the test: {leaked}"
+
+
+# -- the logits processing tests (test_logits_processing.py, speculative/test_speculative_processing.py) --
+# The embedded model, per module. Both modules use _pages_back on every test (pytestmark).
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def spec_self() -> LLM:
+    return LLM(dtype="float32", speculative_decoding={"strategy": "fixed", "drafters": ["self"],
+                                                      "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def spec_model() -> LLM:
+    return LLM(dtype="float32", speculative_decoding={"strategy": "fixed", "drafters": ["model"],
+                                                      "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(plain: LLM) -> list[list[int]]:
+    return [plain.engine.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture
+def _pages_back(plain: LLM) -> Iterator[None]:
+    yield
+    assert plain.engine.cache.all_free()
+
+
+@pytest.fixture
+def grammar(monkeypatch: pytest.MonkeyPatch) -> list[ChoiceConstraint]:
+    """Stands in for dspark.llm.structured: a ``grammar`` spec's value is a JSON list of token lists."""
+    made: list[ChoiceConstraint] = []
+
+    def build_constraint(engine: Any, spec: GuidedSpec) -> ChoiceConstraint:
+        c = ChoiceConstraint(json.loads(spec.value or "[]"), engine.runner.cfg.vocab_size)
+        made.append(c)
+        return c
+
+    mod = types.ModuleType("dspark.llm.structured")
+    mod.build_constraint = build_constraint  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dspark.llm.structured", mod)
+    return made
