@@ -147,3 +147,48 @@ def test_every_package_folder_ships() -> None:
                 for init in root.rglob("__init__.py")}
     assert not on_disk - listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(on_disk - listed)}"
     assert not listed - on_disk, f"listed in pyproject.toml but not on disk: {sorted(listed - on_disk)}"
+
+
+TESTS = REPO / "tests"
+# Folders under tests/ that do not mirror a package of core/dspark, and why. tests/ itself holds the
+# whole-repo checks (this module, the docs, the demo) and the suite's shared helpers.
+TESTS_OFF_THE_SOURCE_TREE = {
+    "plugins": "the plugins outside core/dspark: dspark_plugins_{cpu,cuda,npu}, plugins/*, the API they may use",
+    "fixtures": "plugin distributions that tests install with pip (not collected: they have suites of their own)",
+    "models": "tiny models that the importer and CLI tests load by path (tests/models/zoo.py:tiny_cnn)",
+    "profiles": "device profiles (YAML) the planning tests and the docs plan against",
+}
+
+
+def _test_modules() -> list[Path]:
+    return sorted(f for f in TESTS.rglob("*.py") if "__pycache__" not in f.parts)
+
+
+def test_test_modules_are_small() -> None:
+    big = {str(f.relative_to(REPO)): n for f in _test_modules()
+           if (n := len((text := f.read_text(encoding="utf-8")).splitlines())) > MAX_MODULE_LINES
+           and not _generated(text)}
+    assert not big, f"test modules over {MAX_MODULE_LINES} lines (split them by concern): {big}"
+
+
+def test_test_folders_mirror_the_source_tree() -> None:
+    """tests/X/Y holds the tests of core/dspark/X/Y: a package's tests are found where the package is."""
+    source = REPO / "core" / "dspark"
+    stray = sorted({str(f.parent.relative_to(REPO)) for f in _test_modules()
+                    if (rel := f.parent.relative_to(TESTS).parts)
+                    and rel[0] not in TESTS_OFF_THE_SOURCE_TREE
+                    and not (source.joinpath(*rel) / "__init__.py").is_file()})
+    assert not stray, (f"test folders that mirror no package of core/dspark (move the tests to the folder of "
+                       f"the package they test, or list the folder, with its reason, in "
+                       f"TESTS_OFF_THE_SOURCE_TREE): {stray}")
+
+
+def test_test_module_names_are_unique() -> None:
+    """Pytest's default import mode imports test modules and their helpers by their bare names (tests/ has
+    no __init__.py files): two modules of the same name, in different folders, cannot both be imported."""
+    names: dict[str, list[str]] = {}
+    for f in _test_modules():
+        if f.name != "conftest.py" and f.relative_to(TESTS).parts[0] != "fixtures":
+            names.setdefault(f.stem, []).append(str(f.relative_to(REPO)))
+    clashes = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not clashes, f"test modules or helpers sharing a name (rename one): {clashes}"
