@@ -199,9 +199,10 @@ def _choose(graph: Graph, host: PluginHost, inv: Inventory, ranked: list[Plan],
         return trial.choose(ranked, lambda p: compile_plan(graph, p, host, inv), feeds, what=what)
     best, rivals = ranked[0], trial.close_rivals(ranked)
     if rivals:
-        best.decision = (f"predicted: {trial.label(best)} {best.predicted_total_ms:.3f} ms; within the cost "
-                         f"model's error: " + ", ".join(f"{trial.label(p)} {p.predicted_total_ms:.3f} ms"
-                                                        for p in rivals) + " (not measured: use --measure)")
+        best.decision = (f"predicted: {trial.label(best)} {best.predicted_total_ms:.3f} ms; to race (within the "
+                         f"cost model's error, or a split's fastest single runtime): "
+                         + ", ".join(f"{trial.label(p)} {p.predicted_total_ms:.3f} ms" for p in rivals)
+                         + " (not measured: use --measure)")
     else:
         best.decision = trial.predicted(best, ranked[1] if len(ranked) > 1 else None, trial.DEFAULT_ERROR)
     return best
