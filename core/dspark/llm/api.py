@@ -8,9 +8,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput
+from dspark.llm.inputs import InputProcessor
 from dspark.llm.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -163,6 +164,22 @@ def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
         q.put_nowait(item)
 
 
+class EngineClient(Protocol):
+    """What a server asks of an engine, in this process (:class:`AsyncLLMEngine`) or on a cluster's replicas
+    (``dspark.server.cluster.frontend.RemoteAsyncEngine``); vLLM's ``EngineClient``. ``inputs`` runs a
+    request's checks before anything is queued; ``generate`` streams one sequence's outputs."""
+
+    @property
+    def inputs(self) -> InputProcessor: ...
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...
+
+
 class AsyncLLMEngine:
     """Steps the engine in one background thread; any number of asyncio tasks stream from it.
 
@@ -180,6 +197,11 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ids = itertools.count()
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's request checks; pure, so any thread may run them."""
+        return self.engine.inputs
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, dtype: str = "auto", **engine_kw: Any) -> AsyncLLMEngine:

@@ -13,6 +13,7 @@ from dspark.host.log import get_logger
 from dspark.llm.config import EngineConfig
 from dspark.llm.detokenize import Detokenizer
 from dspark.llm.gguf import load_runner
+from dspark.llm.inputs import InputProcessor
 from dspark.llm.logits import (
     LogprobsPrefix,
     argmax_rows,
@@ -96,6 +97,10 @@ class LLMEngine:
         self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_ids = set(mcfg.eos_token_ids)
+        kv_tokens = self.cache.allocator.num_pages * self.cache.page_size
+        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mcfg.vocab_size,
+                                     bos_token_id=mcfg.bos_token_id, eos_ids=frozenset(self.eos_ids),
+                                     max_model_len=max_len, kv_tokens=kv_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._default_gen = torch.Generator().manual_seed(0)
@@ -191,51 +196,14 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json; pass prompts as token id lists")
-            ids: list[int] = self.tokenizer.encode(prompt).ids
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            # Empty prompt: generate from BOS alone, as a Llama tokenizer would encode "".
-            bos = self.runner.cfg.bos_token_id
-            if bos is None:
-                raise ValueError("empty prompt, and the model has no bos_token_id to start from")
-            ids = [bos]
-        vocab = self.runner.cfg.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        return ids
+        """Token ids of ``prompt``, checked (:meth:`InputProcessor.encode`)."""
+        return self.inputs.encode(prompt)
 
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                       priority: int = 0) -> Sequence:
-        """Validate and tokenize; pure, so callers on other threads may use it."""
-        params = params or SamplingParams()
-        ids = self.encode(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
-                             "(at least one token must be left for output)")
-        worst = min(len(ids) + params.max_tokens, self.max_model_len)
-        cap = self.cache.allocator.num_pages * self.cache.page_size
-        if worst > cap:
-            # Refuse now: a request that cannot fit even alone would otherwise preempt forever.
-            raise ValueError(f"request {request_id!r} may need {worst} KV tokens (prompt {len(ids)} + "
-                             f"max_tokens {params.max_tokens}) but max_total_tokens allows {cap}")
-        vocab = self.runner.cfg.vocab_size
-        bad = next((t for t in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
-        constraint = None
-        if params.guided is not None:
-            from dspark.llm.structured import build_constraint
-
-            constraint = build_constraint(self, params.guided)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                        prompt_ids=ids, params=params, priority=priority, arrival=0, generator=gen,
-                        constraint=constraint)
+        """Validate and tokenize (:meth:`InputProcessor.make_sequence`); pure, so callers on other threads
+        may use it."""
+        return self.inputs.make_sequence(request_id, prompt, params, priority)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:

@@ -56,7 +56,7 @@ FIELD = {
     "choice": "guided_choice",
 }
 SEPARATORS = (", ", ": ")
-LRU_SIZE = 64  # compiled grammars kept per engine
+LRU_SIZE = 64  # compiled grammars kept per input processor
 
 
 class Constraint(Protocol):
@@ -159,16 +159,16 @@ def batch_allowed(constraints: Seq[GrammarConstraint]) -> torch.Tensor:
 
 
 class _Tables:
-    """Per engine: xgrammar's tokenizer info and compiler, and an LRU of compiled grammars."""
+    """Per input processor: xgrammar's tokenizer info and compiler, and an LRU of compiled grammars."""
 
-    def __init__(self, engine: Any) -> None:
-        tok = getattr(engine, "tokenizer", None)
+    def __init__(self, inputs: Any) -> None:
+        tok = getattr(inputs, "tokenizer", None)
         if tok is None:
             raise ValueError("structured output needs the checkpoint's tokenizer.json")
         import xgrammar as xgr
 
-        self.model_vocab = int(engine.runner.cfg.vocab_size)
-        eos = sorted(int(t) for t in engine.eos_ids)
+        self.model_vocab = int(inputs.vocab_size)
+        eos = sorted(int(t) for t in inputs.eos_ids)
         if not eos:
             raise ValueError("structured output needs an EOS token id (the model config has none)")
         self.info = _tokenizer_info(tok, self.model_vocab, eos)
@@ -235,40 +235,41 @@ _TABLES_LOCK = threading.Lock()
 _ATTR = "_dspark_structured_tables"
 
 
-def _tables(engine: Any) -> _Tables:
+def _tables(inputs: Any) -> _Tables:
     with _TABLES_LOCK:
         try:
-            t = _TABLES.get(engine)
+            t = _TABLES.get(inputs)
         except TypeError:  # not weak-referenceable: keep it on the object
-            t = getattr(engine, _ATTR, None)
+            t = getattr(inputs, _ATTR, None)
         if t is None:
-            t = _Tables(engine)
+            t = _Tables(inputs)
             try:
-                _TABLES[engine] = t
+                _TABLES[inputs] = t
             except TypeError:
-                setattr(engine, _ATTR, t)
+                setattr(inputs, _ATTR, t)
         return t
 
 
-def prepare(engine: Any) -> None:
-    """Import xgrammar and build ``engine``'s tokenizer info now (~1.5-3 s here, mostly the import of
+def prepare(inputs: Any) -> None:
+    """Import xgrammar and build ``inputs``'s tokenizer info now (~1.5-3 s here, mostly the import of
     transformers that xgrammar does), so that the first constrained request does not stall a step."""
-    _tables(engine)
+    _tables(inputs)
 
 
-def build_constraint(engine: Any, spec: GuidedSpec | Any) -> GrammarConstraint:
+def build_constraint(inputs: Any, spec: GuidedSpec | Any) -> GrammarConstraint:
     """A fresh constraint for one request.
 
-    ``engine``: an ``LLMEngine`` (its ``tokenizer``, ``runner.cfg.vocab_size``
-    and ``eos_ids`` are used; the tokenizer info and the compiler are built once
-    per engine, compiled grammars are kept in an LRU by ``(kind, value)``).
+    ``inputs``: an engine's :class:`~dspark.llm.inputs.InputProcessor` (its
+    ``tokenizer``, ``vocab_size`` and ``eos_ids`` are used; the tokenizer info
+    and the compiler are built once per processor, compiled grammars are kept
+    in an LRU by ``(kind, value)``).
     ``spec``: anything with ``.kind`` and ``.value`` (a ``GuidedSpec``).
     Raises ``ValueError`` naming the request field for bad input.
     """
     kind, value = getattr(spec, "kind", None), getattr(spec, "value", None)
     if kind not in FIELD:
         raise ValueError(f"guided: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-    t = _tables(engine)
+    t = _tables(inputs)
     return GrammarConstraint(t.compiled(kind, value), t)
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from dspark.llm import AsyncLLMEngine, RequestOutput, SamplingParams
+from dspark.llm import RequestOutput, SamplingParams
+from dspark.llm.api import EngineClient
 from dspark.server.metrics import ServerMetrics, SequenceTimer
 
 TIMERS_KEY = "sequence_timers"  # in the ASGI scope's "state": every SequenceTimer of the request
@@ -49,11 +50,11 @@ _SHUTDOWN = object()  # queue sentinel: end the group's event stream with Shutti
 
 
 class SequenceGroup:
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, specs: list[SeqSpec],
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, request: Request, specs: list[SeqSpec],
                  arrival: float | None = None) -> None:
         # Validate every sequence before starting any (raises ValueError), so a bad one leaves nothing running.
         for s in specs:
-            engine.engine.make_sequence(s.request_id, s.prompt_ids, s.params)
+            engine.inputs.make_sequence(s.request_id, s.prompt_ids, s.params)
         self.engine, self.metrics, self.request, self.specs = engine, metrics, request, specs
         self.arrival = time.perf_counter() if arrival is None else arrival
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException] | object | None] = asyncio.Queue()

@@ -103,13 +103,13 @@ def load_engine(cfg: ServerConfig) -> tuple[Any, Any, str | None]:
              torch_threads=torch.get_num_threads(), gpu_memory_utilization=cfg.resources.gpu_memory_utilization)
     t0 = time.perf_counter()
     engine = AsyncLLMEngine.from_pretrained(path, dtype=cfg.model.dtype, config=cfg.engine_config())
-    eng = engine.engine
     dt = time.perf_counter() - t0
     log.info(f"Model loaded in {dt:.1f}s.", seconds=round(dt, 3), model=cfg.served_name(),
-             max_model_len=eng.max_model_len, kv_cache_tokens=eng.cache.allocator.num_pages * eng.cache.page_size,
-             kv_cache_bytes=eng.stats().kv_total_bytes)
-    strategy = _log_scheduler(cfg, getattr(eng, "spec", None))
-    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy)
+             max_model_len=engine.inputs.max_model_len, kv_cache_tokens=engine.inputs.kv_tokens,
+             kv_cache_bytes=engine.stats().kv_total_bytes)
+    strategy = _log_scheduler(cfg, engine.engine.spec)
+    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy,
+                            placement=engine.engine.placement)
     metrics.instrument_engine(engine)
     return engine, metrics, strategy
 
@@ -133,7 +133,6 @@ def serve(cfg: ServerConfig) -> None:
         torch.set_num_threads(threads)
     path = cfg.model_path()
     engine, metrics, _ = load_engine(cfg)
-    eng = engine.engine
     obs = _observability(cfg, engine)
 
     host = cfg.server.host
@@ -178,6 +177,6 @@ def serve(cfg: ServerConfig) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        kv = eng.stats()
+        kv = engine.stats()
         log.info("DSpark server stopped", kv_cache_used_bytes=kv.kv_used_bytes, requests_running=kv.num_running,
                  requests_waiting=kv.num_waiting)

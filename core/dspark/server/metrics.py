@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dspark.llm import AsyncLLMEngine, RequestOutput
+from dspark.llm.api import EngineClient
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -43,15 +44,14 @@ class DeviceMemory:
     read: Callable[[], int]
 
 
-def probe_devices(engine: AsyncLLMEngine) -> list[DeviceMemory]:
-    """The devices the engine holds memory on, looked up once at startup.
+def probe_devices(placement: Any = None) -> list[DeviceMemory]:
+    """The devices this process holds model memory on, looked up once at startup.
 
     The CPU is always one (this process's resident set); CUDA devices are the
-    ones the engine's layer placement put pieces on.
+    ones an in-process engine's layer placement (``placement``) put pieces on.
     """
     proc = psutil.Process()
     devs = [DeviceMemory("cpu", psutil.virtual_memory().total, lambda: int(proc.memory_info().rss))]
-    placement = getattr(engine.engine, "placement", None)
     used = set(placement.device_bytes()) if placement is not None else set()
     for dev in sorted(d for d in used if d.startswith("cuda:")):
         import torch
@@ -66,7 +66,7 @@ def probe_devices(engine: AsyncLLMEngine) -> list[DeviceMemory]:
 class _EngineCollector(Collector):
     """Reads engine state when Prometheus scrapes."""
 
-    def __init__(self, engine: AsyncLLMEngine, devices: list[DeviceMemory], spec_strategy: str | None,
+    def __init__(self, engine: EngineClient, devices: list[DeviceMemory], spec_strategy: str | None,
                  model_name: str = "") -> None:
         self.engine, self.devices, self.spec_strategy, self.model = engine, devices, spec_strategy, model_name
 
@@ -158,14 +158,15 @@ class _ModelLabelled:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, *, model_name: str, spec_strategy: str | None = None,
-                 devices: list[DeviceMemory] | None = None) -> None:
+    def __init__(self, engine: EngineClient, *, model_name: str, spec_strategy: str | None = None,
+                 devices: list[DeviceMemory] | None = None, placement: Any = None) -> None:
+        """``placement``: the in-process engine's layer placement, whose devices' memory is reported."""
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        r.register(_EngineCollector(engine, devices if devices is not None else probe_devices(engine), spec_strategy,
+        r.register(_EngineCollector(engine, devices if devices is not None else probe_devices(placement), spec_strategy,
                                     model_name))
         Gauge("dspark_model_info", "The served model (value 1).", ["model_name"], registry=r).labels(model_name).set(1)
         m = ["model_name"]
@@ -240,9 +241,10 @@ class ServerMetrics:
                 (early if kw.get("exit_layer") else full).observe(time.perf_counter() - t0)
 
         runner.step = timed_step
-        offload, decision = getattr(eng, "dense_offload", None), getattr(eng, "dense_offload_decision", None)
-        mlp = runner.mlp_offload
-        if offload is not None and decision is not None and mlp is not None:
+        offload, decision = eng.dense_offload, eng.dense_offload_decision
+        # Dense offload runs on the torch runner only (a compiled decoder has no MLP hook).
+        mlp = runner.mlp_offload if offload is not None and decision is not None else None
+        if mlp is not None:
             mlp_hist = self.partition.labels(decision.plugin, decision.device_id, "mlp")
 
             def timed_mlp(li: int, h: Any) -> Any:

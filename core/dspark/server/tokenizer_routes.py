@@ -24,14 +24,14 @@ def add_tokenizer_routes(app: FastAPI, state: Any, *, auth: list[Any], errors: d
                          check_model: Callable[[str], None],
                          render: Callable[[Any, bool], Awaitable[str]],
                          tokenize_text: Callable[[str, bool], list[int]]) -> None:
-    eng = state.engine.engine
+    inputs = state.engine.inputs
 
     @app.post("/tokenize", dependencies=auth, response_model=None,
               responses={200: {"model": TokenizeResponse}, **errors})
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         if body.model is not None:
             check_model(body.model)
-        if eng.tokenizer is None:
+        if inputs.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer.json")
         if isinstance(body, TokenizeChatRequest):
             text = await render(body.messages, body.add_generation_prompt)
@@ -55,11 +55,11 @@ def add_tokenizer_routes(app: FastAPI, state: Any, *, auth: list[Any], errors: d
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         if body.model is not None:
             check_model(body.model)
-        if eng.tokenizer is None:
+        if inputs.tokenizer is None:
             raise APIError(400, "this checkpoint has no tokenizer.json")
-        vocab = eng.tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = inputs.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        text = await asyncio.to_thread(eng.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        text = await asyncio.to_thread(inputs.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return DetokenizeResponse(prompt=text)

@@ -34,7 +34,8 @@ from dspark.host import hook_threads
 from dspark.host.log import get_logger
 from dspark.llm.decoding.batch import SeqKV, build_batch, build_seq_batch, split_logits
 from dspark.llm.runner.kv_cache import PagedKVCache
-from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.runner.model import ModelRunner
+from dspark.llm.runner.types import ModelConfig, SeqChunk
 from dspark.sdk.decoder import is_sequence
 
 if TYPE_CHECKING:
@@ -99,7 +100,9 @@ class Target:
 
 
 class DecoderRunner:
-    """A :class:`ModelRunner` stand-in driving ``targets`` (best first) with failover."""
+    """What the engine steps when compiled decoders run the model: the torch runner's executor surface
+    (``cfg``, ``dtype``, ``make_cache``, ``step``, ``head``, ``padded_rows``, ``block_size``,
+    ``weight_bytes``) over ``targets`` (best first), with failover."""
 
     def __init__(self, reference: ModelRunner, targets: list[Target], *, host: PluginHost | None = None,
                  step_timeout_s: float | None = 60.0,
@@ -125,12 +128,24 @@ class DecoderRunner:
         self._caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
         self._lock = threading.Lock()
 
-    # -- what the engine reads off a runner -------------------------------------------------
-    def __getattr__(self, name: str) -> Any:  # cfg, dtype, linear_names, ... are the reference's
-        reference = self.__dict__.get("reference")
-        if reference is None:  # before __init__ (copy, pickle): a plain missing attribute
-            raise AttributeError(name)
-        return getattr(reference, name)
+    # -- what the engine reads off a runner (the model executor's surface) -------------------
+    # Named one by one: the model's config, dtype and weights are the torch runner's; anything else of
+    # the torch runner is ``self.reference``'s, asked for by that name.
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.reference.cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reference.dtype
+
+    @property
+    def is_weightless(self) -> bool:
+        """The torch runner holds no weights (a quantized GGUF file run as stored by the target)."""
+        return bool(getattr(self.reference, "is_weightless", False))
+
+    def weight_bytes(self) -> int:
+        return int(self.reference.weight_bytes())
 
     @property
     def block_size(self) -> int | None:
@@ -153,7 +168,7 @@ class DecoderRunner:
             cache = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
                                  kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.reference.dtype,
                                  device="meta")
-            cache.device_kv = (self.current.label, self._allocate(self.current, num_pages, page_size))  # type: ignore[attr-defined]
+            cache.device_kv = (self.current.label, self._allocate(self.current, num_pages, page_size))
         self._caches.add(cache)
         return cache
 
@@ -186,11 +201,14 @@ class DecoderRunner:
     def _compiled_step(self, target: Target, cache: PagedKVCache, chunks: list[SeqChunk],
                        exit_layer: int | None) -> list[torch.Tensor]:
         assert target.compiled is not None
-        label, kv = cache.device_kv  # type: ignore[attr-defined]
+        if cache.device_kv is None:
+            raise RuntimeError(f"cache holds its K/V in torch tensors, not on {target.label}")
+        label, kv = cache.device_kv
         if label != target.label:
             raise RuntimeError(f"cache belongs to {label}, not {target.label}")
         batch: Any = build_seq_batch(cache, kv, chunks, exit_layer) if target.keeps_kv else build_batch(
             cache, chunks, exit_layer)
+        kv_of_seqs = kv
         if target.keeps_kv:
             kv = kv.store
         if self.step_timeout_s is None:
@@ -212,7 +230,7 @@ class DecoderRunner:
         for ch in chunks:
             cache.set_len(ch.seq_id, cache.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
         if target.keeps_kv:
-            cache.device_kv[1].advanced(chunks, cache)  # type: ignore[attr-defined]
+            kv_of_seqs.advanced(chunks, cache)
         return split_logits(chunks, logits)  # type: ignore[return-value]
 
     @staticmethod
@@ -268,9 +286,9 @@ class DecoderRunner:
             shape = (cache.allocator.num_pages, cache.page_size, c.num_key_value_heads, c.head_dim)
             cache.k = [torch.zeros(shape, dtype=self.reference.dtype) for _ in range(c.num_hidden_layers)]
             cache.v = [torch.zeros(shape, dtype=self.reference.dtype) for _ in range(c.num_hidden_layers)]
-            cache.device_kv = (target.label, None)  # type: ignore[attr-defined]
+            cache.device_kv = None
         else:
-            cache.device_kv = (target.label, self._allocate(target, cache.allocator.num_pages, cache.page_size))  # type: ignore[attr-defined]
+            cache.device_kv = (target.label, self._allocate(target, cache.allocator.num_pages, cache.page_size))
         lens = dict(cache.seq_lens)
         rebuilt = 0
         for seq_id, n in lens.items():

@@ -8,6 +8,7 @@ sequence (vLLM's PagedAttention layout, without the custom kernel).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class PagedKVCache:
         # keys, and every sequence's tokens, to recompute its cache when it crosses the switch.
         self.long_rope: set[str] = set()
         self.tokens: dict[str, list[int]] = {}
+        # Where the K/V memory is when a compiled decoder owns it (dspark.llm.decoding.runner): that target's
+        # label and what its ``allocate`` returned; then ``k``/``v`` are meta tensors. None: ``k``/``v`` hold it.
+        self.device_kv: tuple[str, Any] | None = None
         self._bytes_per_page = 2 * num_layers * page_size * kv_heads * head_dim * self.k[0].element_size()
 
     # -- sequence lifecycle -------------------------------------------------

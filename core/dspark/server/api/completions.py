@@ -32,7 +32,7 @@ def add_completion_routes(app: FastAPI, gen: Generation, *, auth: list[Any]) -> 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n or 1
-        tok = gen.eng.tokenizer
+        tok = gen.inputs.tokenizer
         echo = [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in raw] if body.echo else []
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         group = await gen.start(request, rid, prompts, body, [max_tokens] * len(prompts), arrival, "prompt",

@@ -115,11 +115,11 @@ class Generation:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.eng = state.engine.engine
+        self.inputs = state.engine.inputs
         if state.token_text is None:
-            state.token_text = TokenText(self.eng.tokenizer)
-            if self.eng.tokenizer is not None:
-                vocab = self.eng.tokenizer.get_vocab_size(with_added_tokens=True)
+            state.token_text = TokenText(self.inputs.tokenizer)
+            if self.inputs.tokenizer is not None:
+                vocab = self.inputs.tokenizer.get_vocab_size(with_added_tokens=True)
                 state.max_token_bytes = max((len(state.token_text.token_bytes(i)) for i in range(vocab)), default=0)
         self.tt: TokenText = state.token_text
 
@@ -133,12 +133,12 @@ class Generation:
     def tokenize_text(self, text: str, special: bool) -> list[int]:
         # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a big
         # text takes seconds, during which the event loop must keep serving everyone else.
-        return list(self.eng.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+        return list(self.inputs.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
 
     def _encode_now(self, prompt: str | list[int], special: bool) -> list[int]:
-        if isinstance(prompt, str) and self.eng.tokenizer is not None:
-            return self.eng.encode(self.tokenize_text(prompt, special) or "")
-        return self.eng.encode(prompt)
+        if isinstance(prompt, str) and self.inputs.tokenizer is not None:
+            return self.inputs.encode(self.tokenize_text(prompt, special) or "")
+        return self.inputs.encode(prompt)
 
     async def encode(self, prompt: str | list[int], param: str, *, special: bool = True) -> list[int]:
         """Token ids of a prompt, tokenized in a worker thread so a huge one never stalls the event loop."""
@@ -204,7 +204,7 @@ class Generation:
 
     def _logit_bias(self, body: SamplingFields) -> dict[int, float]:
         out: dict[int, float] = {}
-        vocab = self.eng.runner.cfg.vocab_size
+        vocab = self.inputs.vocab_size
         for k, v in (body.logit_bias or {}).items():
             try:
                 tid = int(k)
@@ -266,7 +266,7 @@ class Generation:
             from dspark.llm.structured import build_constraint
 
             try:  # compiled off the event loop (a schema can take a while); cached for the sequences below
-                await asyncio.to_thread(build_constraint, self.eng, spec)
+                await asyncio.to_thread(build_constraint, self.inputs, spec)
             except ValueError as e:
                 raise APIError(400, str(e), param=field_name) from None
         specs = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dspark.llm import AsyncLLMEngine
+from dspark.llm.api import EngineClient
 from dspark.server.group import SequenceGroup
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol.chat_template import ChatTemplate
@@ -13,7 +13,7 @@ from dspark.server.protocol.token_text import TokenText
 
 @dataclass
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     model_name: str
     model_root: str
     metrics: ServerMetrics
@@ -29,10 +29,9 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.engine.max_model_len)
+        return int(self.engine.inputs.max_model_len)
 
     @property
     def token_budget(self) -> int:
         """The most prompt + output tokens one sequence can get: model length and KV capacity."""
-        cache = self.engine.engine.cache
-        return min(self.max_model_len, cache.allocator.num_pages * cache.page_size)
+        return self.engine.inputs.token_budget

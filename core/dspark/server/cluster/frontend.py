@@ -1,11 +1,12 @@
-"""The ingress's stand-in for the engine: it validates requests locally and streams each sequence from a replica.
+"""The ingress's engine client: it validates requests locally and streams each sequence from a replica.
 
-The server's routes use an ``AsyncLLMEngine`` (``generate``, ``stats``,
-``shutdown``) and, through its ``engine``, the checks that turn bad input into
-a 400 before anything runs (tokenizer, vocabulary, model length, KV capacity,
-grammars). :class:`EngineFront` carries those from a replica's ``describe()``
-and runs the engine's own ``encode``/``make_sequence`` code on them, so the
-ingress says exactly what the single-process server says, without a model.
+The server's routes use an engine client (:class:`dspark.llm.api.EngineClient`:
+``inputs``, ``generate``, ``stats``, ``shutdown``); ``inputs`` runs the checks
+that turn bad input into a 400 before anything runs (tokenizer, vocabulary,
+model length, KV capacity, grammars). :class:`RemoteAsyncEngine` builds the
+engine's own :class:`~dspark.llm.inputs.InputProcessor` from a replica's
+``describe()``, so the ingress says exactly what the single-process server
+says, without a model.
 
 A sequence whose replica dies before its first output is sent again (Ray
 Serve's router then picks among the live replicas); one that had started
@@ -19,37 +20,20 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from dspark.host.log import get_logger
 from dspark.llm import RequestOutput, SamplingParams
-from dspark.llm.engine import EngineStats, LLMEngine
+from dspark.llm.engine import EngineStats
+from dspark.llm.inputs import InputProcessor
 from dspark.server.cluster.routing import route_info
 from dspark.server.group import EngineUnavailable
 
 log = get_logger("dspark.server.cluster")
 RETRIES = 2  # sends after the first, while nothing has streamed yet
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
-
-
-class EngineFront:
-    """What the routes read of ``AsyncLLMEngine.engine``, from a replica's ``describe()``."""
-
-    encode = LLMEngine.encode
-    make_sequence = LLMEngine.make_sequence
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_str(d["tokenizer"]) if d["tokenizer"] else None
-        self.runner = SimpleNamespace(cfg=SimpleNamespace(vocab_size=d["vocab_size"], bos_token_id=d["bos_token_id"]))
-        self.eos_ids = set(d["eos_ids"])
-        self.max_model_len = int(d["max_model_len"])
-        self.cache = SimpleNamespace(page_size=d["page_size"], allocator=SimpleNamespace(num_pages=d["num_pages"]))
-        self.placement = None  # the replicas place the model; the ingress holds none of it
 
 
 def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
@@ -95,12 +79,13 @@ class Rebuild:
 
 
 class RemoteAsyncEngine:
-    """``AsyncLLMEngine``'s surface over a Ray Serve handle to the engine replicas."""
+    """The engine client (``AsyncLLMEngine``'s surface) over a Ray Serve handle to the engine replicas;
+    ``inputs``: the replicas' request checks (``InputProcessor.from_description`` of a replica's)."""
 
-    def __init__(self, handle: Any, front: EngineFront, registry: Any, *, affinity: bool,
+    def __init__(self, handle: Any, inputs: InputProcessor, registry: Any, *, affinity: bool,
                  refresh_s: float = 1.0) -> None:
         self.handle = handle.options(stream=True)
-        self.engine = front
+        self.inputs = inputs
         self.registry, self.affinity = registry, affinity
         self._ids = itertools.count()
         self.replicas: list[dict[str, Any]] = []
@@ -123,7 +108,7 @@ class RemoteAsyncEngine:
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         rid = request_id or f"cluster-{next(self._ids)}"
         params = params or SamplingParams()
-        seq = self.engine.make_sequence(rid, prompt, params, priority)  # raises here, in the caller
+        seq = self.inputs.make_sequence(rid, prompt, params, priority)  # raises here, in the caller
         info = route_info(rid, seq.prompt_ids, params.max_tokens, affinity=self.affinity)
         for attempt in range(RETRIES + 1):
             stream = self.handle.generate.remote(info, seq.prompt_ids, params, rid, priority)

@@ -27,7 +27,8 @@ class Ingress:
 
     async def __init__(self, engine: Any, cfg: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
         from dspark.server.app import ServerState, create_app
-        from dspark.server.cluster.frontend import EngineFront, RemoteAsyncEngine
+        from dspark.llm.inputs import InputProcessor
+        from dspark.server.cluster.frontend import RemoteAsyncEngine
         from dspark.server.cluster.registry import get_registry
         from dspark.server.config import ServerConfig
         from dspark.server.metrics import ServerMetrics
@@ -37,10 +38,10 @@ class Ingress:
         c = ServerConfig.model_validate(cfg)
         d = await engine.describe.remote()  # from whichever replica is up first; they serve one model
         registry = get_registry(c.cluster.app_name, c.cluster.namespace)
-        self.remote = remote = RemoteAsyncEngine(engine, EngineFront(d), registry,
+        self.remote = remote = RemoteAsyncEngine(engine, InputProcessor.from_description(d["inputs"]), registry,
                                                  affinity=c.cluster.router == "prefix_affinity")
-        metrics = ServerMetrics(remote, model_name=d["model_name"], spec_strategy=d["spec_strategy"])  # type: ignore[arg-type]
-        state = ServerState(engine=remote, model_name=d["model_name"], model_root=d["model_root"],  # type: ignore[arg-type]
+        metrics = ServerMetrics(remote, model_name=d["model_name"], spec_strategy=d["spec_strategy"])
+        state = ServerState(engine=remote, model_name=d["model_name"], model_root=d["model_root"],
                             metrics=metrics, chat_template=ChatTemplate(d["chat_template"], d["special_tokens"]),
                             api_key=c.server.api_key, created=int(time.time()), max_body_bytes=c.server.max_body_bytes,
                             cors_allow_origins=list(c.server.cors_allow_origins))

@@ -99,12 +99,8 @@ class EngineReplica:
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs to validate requests without a model of its own."""
-        eng = self.engine.engine
-        tok = eng.tokenizer
-        return {"tokenizer": tok.to_str() if tok is not None else None, "vocab_size": eng.runner.cfg.vocab_size,
-                "bos_token_id": eng.runner.cfg.bos_token_id, "eos_ids": sorted(eng.eos_ids),
-                "max_model_len": eng.max_model_len, "num_pages": eng.cache.allocator.num_pages,
-                "page_size": eng.cache.page_size, "model_root": self.model_root, "model_name": self.cfg.served_name(),
+        return {"inputs": self.engine.inputs.describe(), "model_root": self.model_root,
+                "model_name": self.cfg.served_name(),
                 "chat_template": self.chat.source, "special_tokens": self.chat.special_tokens,
                 "spec_strategy": self.strategy}
 
