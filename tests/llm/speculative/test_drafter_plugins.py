@@ -122,7 +122,7 @@ def test_call_guard_workers_end_with_their_guard() -> None:
     """Every engine with a third-party drafter makes a guard; its worker thread must not outlive it."""
     import gc
 
-    from dspark.llm.call_guard import CallGuard, DrafterTimeout
+    from dspark.llm.speculative.call_guard import CallGuard, DrafterTimeout
 
     g = CallGuard("probe", 5.0)
     assert g(lambda a, b: a + b, 2, 3) == 5

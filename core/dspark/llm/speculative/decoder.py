@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dspark.host.plugin_manager import PluginHost
-from dspark.llm.call_guard import CallGuard
+from dspark.llm.speculative.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
 from dspark.llm.logits import TokenLogprobs
 from dspark.llm.runner.kv_cache import PagedKVCache

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from dspark.host.log import get_logger
-from dspark.llm.call_guard import CallGuard
+from dspark.llm.speculative.call_guard import CallGuard
 from dspark.llm.speculative.controller import RLS, draft_x
 from dspark.types import Draft, DraftRequest
 
