@@ -96,8 +96,8 @@ def grammar(monkeypatch: pytest.MonkeyPatch) -> list[ChoiceConstraint]:
     """Stands in for dspark.llm.structured: a ``grammar`` spec's value is a JSON list of token lists."""
     made: list[ChoiceConstraint] = []
 
-    def build_constraint(engine: Any, spec: GuidedSpec) -> ChoiceConstraint:
-        c = ChoiceConstraint(json.loads(spec.value or "[]"), engine.runner.cfg.vocab_size)
+    def build_constraint(inputs: Any, spec: GuidedSpec) -> ChoiceConstraint:
+        c = ChoiceConstraint(json.loads(spec.value or "[]"), inputs.vocab_size)
         made.append(c)
         return c
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ def test_empty_prompt_is_bos_only(make_llm: Callable[..., Any]) -> None:
 
 def test_empty_prompt_without_bos_is_an_error(make_llm: Callable[..., Any]) -> None:
     llm = make_llm()
-    llm.engine.runner.cfg = llm.engine.runner.cfg.model_copy(update={"bos_token_id": None})
+    llm.engine.inputs = dataclasses.replace(llm.engine.inputs, bos_token_id=None)  # a model without one
     with pytest.raises(ValueError, match="empty prompt, and the model has no bos_token_id"):
         llm.generate([[]], GREEDY)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from dspark.llm import default_model_path
+from dspark.llm.inputs import InputProcessor
 from dspark.llm.logits import process, process_batch
 from dspark.llm.sampling import GuidedSpec, SamplingParams
 from dspark.llm.scheduler import Sequence
@@ -19,14 +19,13 @@ EOS = {1}
 
 
 @pytest.fixture(scope="module")
-def engine_like() -> types.SimpleNamespace:
-    """What build_constraint reads off an engine, from the embedded model's real tokenizer."""
+def engine_like() -> InputProcessor:
+    """An engine's input processor (what build_constraint reads), from the embedded model's real tokenizer."""
     from tokenizers import Tokenizer
 
     root = Path(default_model_path())
-    return types.SimpleNamespace(tokenizer=Tokenizer.from_file(str(root / "tokenizer.json")), model_path=root,
-                                 runner=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=V)),
-                                 eos_ids=set(EOS))
+    return InputProcessor(tokenizer=Tokenizer.from_file(str(root / "tokenizer.json")), vocab_size=V,
+                          bos_token_id=None, eos_ids=frozenset(EOS), max_model_len=2048, kv_tokens=8192)
 
 
 def _seq(i: int, params: SamplingParams, outputs: list[int], constraint: object = None) -> Sequence:
@@ -38,7 +37,7 @@ def _seq(i: int, params: SamplingParams, outputs: list[int], constraint: object 
     return s
 
 
-def test_batch_equals_row_by_row(engine_like: types.SimpleNamespace) -> None:
+def test_batch_equals_row_by_row(engine_like: InputProcessor) -> None:
     from dspark.llm.structured import build_constraint
 
     g = torch.Generator().manual_seed(0)

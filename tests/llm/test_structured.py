@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from dspark.llm import byte_level, structured
+from dspark.llm.inputs import InputProcessor
 from dspark.llm.structured import build_constraint
 
 MODEL = Path(structured.__file__).resolve().parent.parent / "assets" / "models" / "stdlib-llama"
@@ -44,18 +45,19 @@ class Spec:
     value: str | None = None
 
 
-def _engine(vocab_size: int = 8192) -> SimpleNamespace:
-    """What build_constraint reads from an LLMEngine, built from the real checkpoint files."""
+def _engine(vocab_size: int = 8192) -> InputProcessor:
+    """An engine's input processor (what build_constraint reads), built from the real checkpoint files."""
     from tokenizers import Tokenizer
 
     cfg = json.loads((MODEL / "config.json").read_text())
     assert cfg["vocab_size"] == 8192 and cfg["eos_token_id"] == EOS
-    return SimpleNamespace(tokenizer=Tokenizer.from_file(str(MODEL / "tokenizer.json")), model_path=MODEL,
-                           runner=SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab_size)), eos_ids={EOS})
+    return InputProcessor(tokenizer=Tokenizer.from_file(str(MODEL / "tokenizer.json")), vocab_size=vocab_size,
+                          bos_token_id=cfg.get("bos_token_id"), eos_ids=frozenset({EOS}), max_model_len=2048,
+                          kv_tokens=8192)
 
 
 @pytest.fixture(scope="module")
-def engine() -> SimpleNamespace:
+def engine() -> InputProcessor:
     return _engine()
 
 
@@ -359,8 +361,7 @@ def test_bad_input_raises_a_clear_value_error(engine: Any, spec: Spec, message: 
 
 
 def test_no_tokenizer_is_a_clear_error() -> None:
-    eng = _engine()
-    eng.tokenizer = None
+    eng = dataclasses.replace(_engine(), tokenizer=None)
     with pytest.raises(ValueError, match="structured output needs the checkpoint's tokenizer.json"):
         build_constraint(eng, Spec("json_object"))
 
