@@ -20,7 +20,7 @@ from dspark.placement import placer
 from dspark.placement.adaptive import trial
 from dspark.placement.adaptive import AdaptiveRunner
 from dspark.placement.executor import random_inputs, reference_outputs
-from dspark.placement.plan import Plan
+from dspark.placement.plan import Partition, Plan, Target
 from dspark.types import Bid, Device
 
 import dspark_plugins_cpu as openvino
@@ -201,3 +201,23 @@ def test_a_tie_goes_to_the_plan_with_fewer_partitions(monkeypatch: pytest.Monkey
     assert win == (1 if single_wins else 0), laps
     assert ("kept for its fewer partitions" in single.decision) == single_wins
     assert single.decision.startswith("measured: cpu@cpu" if single_wins else "measured: split cpu@cpu+npu@cpu")
+
+
+def _plan_of(parts: list[tuple[str, list[str]]], total_ms: float) -> Plan:
+    """A plan over ops a..d: each (target plugin, ops) a partition on the CPU."""
+    return Plan(model="m", graph_fingerprint="g", hardware_fingerprint="h", predicted_total_ms=total_ms,
+                partitions=[Partition(id=i, target=Target(plugin=plugin, device_id="cpu"), ops=ops,
+                                      predicted_ms=total_ms / len(parts)) for i, (plugin, ops) in enumerate(parts)])
+
+
+def test_a_split_is_raced_against_the_fastest_single_runtime_whatever_the_prediction() -> None:
+    split = _plan_of([("ov", ["a", "b"]), ("ort", ["c"]), ("ov", ["d"])], 88.0)
+    other_split = _plan_of([("ov", ["a"]), ("ort", ["b", "c", "d"])], 150.0)
+    ov, ort = _plan_of([("ov", ["a", "b", "c", "d"])], 130.0), _plan_of([("ort", ["a", "b", "c", "d"])], 138.0)
+    # 130 ms is beyond 25% of 88 ms: by prediction alone the split would win unmeasured.
+    assert trial.close_rivals([split, other_split, ov, ort], error=0.25) == [ov]
+    # A single runtime already among the close rivals is not added twice; a single-runtime best adds none.
+    assert trial.close_rivals([split, ov, other_split, ort], error=0.6) == [ov, ort]
+    assert trial.close_rivals([ov, ort, other_split], error=0.01) == []
+    win, _ = trial.decide([split, ov], [lambda: time.sleep(0.004), lambda: None], error=0.25)
+    assert win == 1 and "a split is always raced against the fastest single runtime" in ov.decision
