@@ -18,7 +18,7 @@ a plan need not be compiled per exact size. ``Subgraph.to_onnx()`` keeps the
 symbolic dims as ONNX ``dim_param``; compiled on each plugin's ``cpu``
 device, a ``MatMul -> Add -> Relu`` graph with input ``("batch", 4)``,
 hinted at batch 2, ran at batch 1, 3 and 8 with outputs of the run's batch
-that match numpy (tests/test_shapes.py keeps that check):
+that match numpy (tests/placement/test_shapes.py keeps that check):
 
 * cpu (OpenVINO 2026.4 ``OpenVINOExecutable``): accepted, the model is read
   with dynamic dims and never reshaped;
