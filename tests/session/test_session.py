@@ -20,6 +20,7 @@ from dspark.host.inventory import Inventory, probe
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.placement import placer
+from dspark.placement.adaptive import plan_store
 from dspark.placement.adaptive.plan_store import DiskPlanStore
 from dspark.session import Session, SessionError
 from dspark.types import Bid, Device
@@ -123,8 +124,9 @@ def test_a_warm_start_runs_the_kept_plan_without_planning(model: Any, machine: A
         assert any("ran the plan kept for them" in r for r in warm.replans), warm.replans
 
 
-def test_another_model_or_other_devices_plan_afresh(model: Any, machine: Any, store: DiskPlanStore,
-                                                    tmp_path: Path) -> None:
+def test_another_model_other_devices_or_another_placer_plan_afresh(model: Any, machine: Any, store: DiskPlanStore,
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     path, _ = model
     with session(path, machine, store):
         pass
@@ -135,6 +137,11 @@ def test_another_model_or_other_devices_plan_afresh(model: Any, machine: Any, st
     with Session(path, host=host, inventory=probe(host), plan_cache=store) as s:
         assert s.plan_source == "planned"
         assert all(p.target.plugin != "npu" for p in s.plan.partitions)
+    with session(path, machine, store) as s:
+        assert s.plan_source == "kept"
+    monkeypatch.setattr(plan_store, "PLACER_VERSION", plan_store.PLACER_VERSION + 1)  # placement changed
+    with session(path, machine, store) as s:
+        assert s.plan_source == "planned"
 
 
 class Cheap:

@@ -24,6 +24,9 @@ from dspark.placement.plan import Plan, Target, graph_fingerprint, hardware_fing
 log = get_logger("dspark.placement.adaptive.plan_store")
 
 NAMESPACE = "plans"
+# Part of every kept plan's key: bumped when placement decides differently (2: a split is always raced
+# against the fastest single runtime), so that plans kept by an older placer are made again, not reused.
+PLACER_VERSION = 2
 Key = tuple[str, str, str]  # (plugin, device id, op type): the adaptive runner's correction keys
 
 
@@ -51,7 +54,7 @@ def inventory_fingerprint(inv: Inventory) -> str:
 
 
 class DiskPlanStore:
-    """Plans in the disk cache, one entry per (model fingerprint, inventory fingerprint)."""
+    """Plans in the disk cache, one entry per (model fingerprint, inventory fingerprint, placer version)."""
 
     def __init__(self, namespace: str = NAMESPACE) -> None:
         self.namespace = namespace
@@ -61,7 +64,7 @@ class DiskPlanStore:
         fp = self._fingerprints.get(id(graph))
         if fp is None:
             fp = self._fingerprints[id(graph)] = graph_fingerprint(graph)
-        return {"model": fp, "devices": inventory_fingerprint(inv)}
+        return {"model": fp, "devices": inventory_fingerprint(inv), "placer": str(PLACER_VERSION)}
 
     def load(self, graph: Graph, inv: Inventory) -> KeptPlan | None:
         value = cache.load(self.namespace, self.key(graph, inv))
