@@ -49,6 +49,7 @@ def test_builtins_are_the_builtin_entry_point_group_and_load_without_autoload() 
     host = bare_host()  # autoload off: no `dspark` entry point, the built-ins all the same
     assert {n: (r.source, r.module) for n, r in host.records.items()} == {
         n: ("builtin", module) for n, module in declared.items()}
+    assert list(host.records) == ["torch", "ngram", "drafters"]  # the reference first; offers in this order
     assert all(host.is_builtin(n) for n in declared)
     host.register(Good(), "good")
     assert not host.is_builtin("good") and not host.is_builtin("nobody")

@@ -43,6 +43,9 @@ ENTRY_POINT_GROUP = "dspark"
 # entry points of this group in dspark's package metadata: the host loads them as it loads any other, names
 # none of them, and loads them whatever the autoload setting.
 BUILTIN_GROUP = "dspark.builtin"
+# The order they register in, as before they were entry points: the reference executor, then the drafters
+# (offers are collected in load order). Entry points have no order of their own; others sort by name after.
+_BUILTIN_ORDER = ("torch", "ngram", "drafters")
 
 
 class PluginError(RuntimeError):
@@ -97,7 +100,9 @@ class PluginHost:
 
     def load(self) -> PluginHost:
         """Load built-ins, entry points (unless autoload is off) and ``-p`` modules."""
-        builtins = sorted(importlib.metadata.entry_points(group=BUILTIN_GROUP), key=lambda e: e.name)
+        builtins = sorted(importlib.metadata.entry_points(group=BUILTIN_GROUP),
+                          key=lambda e: (_BUILTIN_ORDER.index(e.name) if e.name in _BUILTIN_ORDER
+                                         else len(_BUILTIN_ORDER), e.name))
         if not builtins:  # metadata from before the built-ins were entry points
             log.warning("plugin.no_builtins", group=BUILTIN_GROUP,
                         hint="dspark's package metadata lists no built-in plugins: reinstall dspark")
