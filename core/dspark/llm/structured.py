@@ -232,21 +232,14 @@ class _Tables:
 
 _TABLES: weakref.WeakKeyDictionary[Any, _Tables] = weakref.WeakKeyDictionary()
 _TABLES_LOCK = threading.Lock()
-_ATTR = "_dspark_structured_tables"
 
 
 def _tables(inputs: Any) -> _Tables:
+    """The tables of ``inputs`` (an :class:`~dspark.llm.inputs.InputProcessor`), built on first need."""
     with _TABLES_LOCK:
-        try:
-            t = _TABLES.get(inputs)
-        except TypeError:  # not weak-referenceable: keep it on the object
-            t = getattr(inputs, _ATTR, None)
+        t = _TABLES.get(inputs)
         if t is None:
-            t = _Tables(inputs)
-            try:
-                _TABLES[inputs] = t
-            except TypeError:
-                setattr(inputs, _ATTR, t)
+            t = _TABLES[inputs] = _Tables(inputs)
         return t
 
 
