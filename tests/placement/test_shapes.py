@@ -143,6 +143,27 @@ def test_at_dims_derives_expression_dims_again() -> None:
     assert long.tensors["m"].nbytes(long.dim_hints) == 2 * 32 * 4
 
 
+def test_at_dims_resizes_the_dims_inference_could_not_name() -> None:
+    # Reshape (batch, 4, 6) -> (-1, 6): inference names the rows unk__N at import (sized 4*batch by a
+    # pass pinned to the hint); a bucket at batch 8 must price the MatMul after it at 32 rows, not 8.
+    w = RNG.standard_normal((6, 3)).astype(np.float32)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"], name="flat"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="mm")]
+    model = helper.make_model(helper.make_graph(
+        nodes, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.array([-1, 6], np.int64), "shape"), numpy_helper.from_array(w, "w")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    g = load_model(model, dim_hints={"batch": 2})
+    rows = g.tensors["r"].shape[0]
+    assert isinstance(rows, str) and g.dim_hints[rows] == 8 and g.op("mm").flops == 2 * 8 * 6 * 3
+    big = at_dims(g, {"batch": 8})
+    assert big.dim_hints[rows] == 32 and big.op("mm").flops == 2 * 32 * 6 * 3
+    assert big.subgraph(["mm"]).io_bytes() == 4 * g.subgraph(["mm"]).io_bytes()
+    assert g.dim_hints[rows] == 8  # the original keeps its sizes
+
+
 def test_at_dims_on_a_torch_export_with_a_dynamic_batch() -> None:
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)

@@ -349,6 +349,28 @@ def _hints_from_static_pass(model: onnx.ModelProto, tensors: dict[str, TensorSpe
     return extra
 
 
+def rederive_dim_hints(ops: list[Op], inputs: list[str], outputs: list[str], *, tensors: dict[str, TensorSpec],
+                       initializers: dict[str, np.ndarray], opset: int, hints: dict[str, int]) -> dict[str, int]:
+    """``hints`` (a graph's named input dims at new sizes) plus every dim sized by them: expressions
+    (``2*batch``) and the dims ONNX inference could not name at import (``unk__7``, say the rows of a
+    ``Reshape`` to ``[-1, 64]``), from the same pinned inference pass :func:`read_onnx` runs.
+
+    Best effort: a graph ONNX cannot re-infer (a custom domain) gets the expressions alone, and the
+    caller keeps its old sizes for the rest."""
+    out = derive_dim_hints(tensors, dict(hints))
+    if not any(isinstance(d, str) and d not in out for spec in tensors.values() for d in spec.shape):
+        return out
+    small = [n for n, a in initializers.items() if a.size <= 1024]  # shape operands, for data propagation
+    big = [n for n in initializers if n not in set(small) and n in tensors]  # declared, never serialized
+    try:
+        model = ops_to_onnx(ops, [*inputs, *big], outputs, small, name="rederive", opset=opset,
+                            tensors=tensors, initializers=initializers)
+    except (UnsupportedModelError, ValueError, TypeError, KeyError):
+        return out
+    out.update(_hints_from_static_pass(model, tensors, out))
+    return out
+
+
 def _np_name(arr: np.ndarray) -> DType:
     return dtype_of(arr)
 

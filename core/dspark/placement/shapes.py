@@ -157,18 +157,23 @@ def bucket(dims: Mapping[str, int], hints: Mapping[str, int]) -> BucketKey:
 def at_dims(graph: Graph, dims: Mapping[str, int]) -> Graph:
     """``graph`` with ``dim_hints`` at ``dims``, op costs re-annotated; weights shared, not copied.
 
-    Hints of expression dims (``2*batch``) are derived again from the new
-    sizes; a hint neither given nor derivable (``unk__3``, sized by an ONNX
-    shape-inference pass at import) keeps its old value, as the graph has no
-    way to infer it again. Ops are copied because their cost fields are
-    rewritten; tensor specs and initializer arrays are the same objects.
+    Hints of expression dims (``2*batch``) and of the dims ONNX inference
+    could not name at import (``unk__3``: the rows of a ``Reshape`` to
+    ``[-1, 64]``, say) are derived again from the new sizes, by the same
+    pinned inference pass the import runs; a hint that pass cannot size keeps
+    its old value. Ops are copied because their cost fields are rewritten;
+    tensor specs and initializer arrays are the same objects.
     """
     # Not graph.model_copy(update=...): it also copies the cached properties
     # (op index, producers, consumers), which would point at the old ops.
-    from dspark.graph.onnx_io import derive_dim_hints  # imports onnx, see _evaluate
+    from dspark.graph.onnx_io import rederive_dim_hints  # imports onnx, see _evaluate
 
-    kept = {k: v for k, v in graph.dim_hints.items() if k not in dims and _is_name(k)}
-    hints = derive_dim_hints(graph.tensors, {**kept, **{k: int(v) for k, v in dims.items()}})
+    inputs = {d for name in graph.inputs if (spec := graph.tensors.get(name)) for d in spec.shape if _is_name(d)}
+    given = {k: v for k, v in graph.dim_hints.items() if k in inputs and k not in dims}
+    given.update({k: int(v) for k, v in dims.items()})
+    hints = rederive_dim_hints(graph.ops, list(graph.inputs), list(graph.outputs), tensors=graph.tensors,
+                               initializers=graph.initializers, opset=graph.opset, hints=given)
+    hints = {**{k: v for k, v in graph.dim_hints.items() if k not in hints}, **hints}  # what no pass re-sized
     new = Graph(name=graph.name, opset=graph.opset, ops=[op.model_copy() for op in graph.ops],
                 tensors=graph.tensors, inputs=list(graph.inputs), outputs=list(graph.outputs),
                 initializers=graph.initializers, dim_hints=hints)
