@@ -19,6 +19,7 @@ import pytest
 import dspark_plugins_cpu
 import dspark_plugins_npu
 from dspark.sdk import calibration
+from dspark.sdk.cost import roofline
 from dspark.builtin import torch_ref
 from dspark.graph.model import Graph, Op, Subgraph, TensorSpec
 from dspark.testing import op_case
@@ -199,3 +200,23 @@ def test_slow_subgraphs_are_not_timed(devices: dict[str, Device], monkeypatch: p
     assert calibration.calibrate(_matmul(64, 64, 64).subgraph(), device, runtime_key="t",
                                  compile=compile, call_overhead_s=0.0) is None
     assert calls[0] == 0
+
+
+def test_sizes_too_slow_to_time_are_priced_from_a_size_that_was(devices: dict[str, Device],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shape bucket's batch of 1024 rows is too slow to time while planning; the same subgraph timed at
+    # 32 rows prices it: the roofline at 1024 rows times the ratio of the timed run to the roofline at 32.
+    device = devices["numpy"]
+    small, big = _matmul("m", 64, 64, {"m": 32}).subgraph(), _matmul("m", 64, 64, {"m": 1024}).subgraph()
+    roof_small, roof_big = roofline(small, device), roofline(big, device)
+    assert roof_big > roof_small
+    monkeypatch.setattr(calibration, "MAX_ROOFLINE_S", (roof_small + roof_big) / 2)
+    calls, compile = _counting(lambda s: dspark_numpy.dspark_compile(s, device))
+    other = _matmul("m", 64, 128, {"m": 1024}).subgraph()  # another subgraph: nothing of it was timed
+    assert calibration.calibrate(other, device, runtime_key="t", compile=compile, call_overhead_s=0.0) is None
+    timed = calibration.calibrate(small, device, runtime_key="t", compile=compile, call_overhead_s=0.0)
+    assert timed is not None and timed.scaled_from is None and calls[0] == 1
+    scaled = calibration.calibrate(big, device, runtime_key="t", compile=compile, call_overhead_s=0.0)
+    assert calls[0] == 1  # not compiled, not timed
+    assert scaled is not None and scaled.scaled_from == {"m": 32}
+    assert scaled.latency_s == pytest.approx(roof_big * timed.latency_s / roof_small)

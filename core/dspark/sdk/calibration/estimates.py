@@ -55,6 +55,9 @@ class Calibration:
     samples: int
     source: Literal["calibrated"] = "calibrated"
     observed: bool = False
+    # Set when the subgraph was too slow to time at its sizes: the roofline there times the ratio of a
+    # run to the roofline at these sizes, the largest of the same subgraph timed (``samples`` is theirs).
+    scaled_from: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,10 +186,14 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
                           cold=("baseline-v1" if cold_baseline is not None else True) if cold else False)
     hit = store.load(key)
     if hit is not None and not _stale(key, hit):
+        if "latency_s" in hit and key["dims"] and store.first_sight(key):  # entries timed before shape families were kept
+            store.remember_ratio(key, dict(key["dims"]), roofline(subgraph, device), float(hit["latency_s"]))
         return _from_entry(subgraph, device, key, hit, call_overhead_s)
     predicted = roofline(subgraph, device)
     if predicted > config.MAX_ROOFLINE_S:  # too slow to time during planning: not cached, the roofline may change
-        return None if hit is None else _from_entry(subgraph, device, key, hit, call_overhead_s)
+        if hit is not None:
+            return _from_entry(subgraph, device, key, hit, call_overhead_s)
+        return _scaled(subgraph, device, key, predicted, call_overhead_s)
     try:
         feeds = make_inputs(subgraph)
         exe = _compile(compile, subgraph)
@@ -210,7 +217,23 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
                  ops=[op.op_type for op in subgraph.ops][:8])
     store.save(key, {"latency_s": latency, "source": "calibrated", **m.record(), "remeasures": _remeasures(hit)})
     store.remember(subgraph, device, key, latency)
+    if key["dims"]:  # symbolic sizes: the same subgraph may come again at others
+        store.remember_ratio(key, dict(key["dims"]), predicted, latency)
     return Calibration(latency_s=latency, call_overhead_s=call_overhead_s, samples=m.samples)
+
+
+def _scaled(subgraph: Subgraph, device: Device, key: dict[str, Any], roofline_s: float,
+            call_overhead_s: float) -> Calibration | None:
+    """The same subgraph timed at smaller sizes, scaled to these by the roofline (a shape bucket's
+    batch of 16 is priced from the batch of 1 that was timed); None when no size of it was timed."""
+    fam = store.load(store.shape_family_key(key))
+    if fam is None or "ratio" not in fam:
+        return None
+    latency = roofline_s * float(fam["ratio"])
+    store.remember(subgraph, device, key, latency)  # real runs at these sizes may correct it (observations)
+    return Calibration(latency_s=latency, call_overhead_s=call_overhead_s, samples=0,
+                       scaled_from={str(k): int(v) for k, v in dict(fam.get("dims", {})).items()
+                                    if key["dims"].get(k) != v})  # the sizes that differ
 
 
 def _from_entry(subgraph: Subgraph, device: Device, key: dict[str, Any], hit: dict[str, Any],
@@ -255,6 +278,8 @@ def estimate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: C
     if cal is not None:
         note = (f"median of {cal.samples} observed runs" if cal.observed
                 else f"lowest batch median of {cal.samples} timed runs")
+        if cal.scaled_from is not None:
+            note = f"the roofline scaled by a run timed at sizes {cal.scaled_from} (too slow to time at these)"
         if flush_caches and device.kind == "cpu" and not cal.observed:
             note += ", cold caches" + (" less a baseline's" if cold_baseline is not None else "")
         # The calibration timed the whole call, overhead included: it is the promise, and a

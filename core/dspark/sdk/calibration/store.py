@@ -52,6 +52,35 @@ def cache_key(subgraph: Subgraph, device: Device, runtime_key: str, *, cold: boo
     return key
 
 
+def shape_family_key(key: dict[str, Any]) -> dict[str, Any]:
+    """``key`` (from :func:`cache_key`) for every size of the same subgraph: where the ratio of a timed
+    run to the roofline is kept, for sizes too slow to time during planning."""
+    return {**{k: v for k, v in key.items() if k != "dims"}, "family": "roofline-ratio-v1"}
+
+
+_seen: set[str] = set()
+
+
+def first_sight(key: dict[str, Any]) -> bool:
+    """Whether this process meets the entry of ``key`` for the first time."""
+    k = json.dumps(key, sort_keys=True, default=str)
+    with _lock:
+        if k in _seen:
+            return False
+        _seen.add(k)
+        return True
+
+
+def remember_ratio(key: dict[str, Any], dims_: dict[str, int], roofline_s: float, latency_s: float) -> None:
+    """Keep ``latency_s / roofline_s`` for the subgraph's shape family, from its largest size timed so far
+    (the closest to the sizes it will stand in for)."""
+    fam = shape_family_key(key)
+    old = load(fam)
+    if old is not None and float(old.get("roofline_s", 0.0)) > roofline_s:
+        return
+    save(fam, {"ratio": latency_s / roofline_s, "roofline_s": roofline_s, "dims": dims_})
+
+
 def identity(subgraph: Subgraph, device: Device) -> Identity:
     return (device.plugin, device.id, subgraph.signature(), json.dumps(dims(subgraph), sort_keys=True))
 
