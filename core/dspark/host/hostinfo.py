@@ -9,6 +9,7 @@ import functools
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,60 @@ def fingerprint() -> dict[str, Any]:
     return {"host": platform.node(), "model": s["model"], "cores": s["usable_cores"], "isa": s["isa_features"]}
 
 
+class BenchmarkLock:
+    """A lock that knows who waits on it and for how long: a plugin call's deadline
+    (:mod:`dspark.host.hook_threads`) does not count the time its thread queued here behind another
+    plugin's benchmark, as the queueing is no fault of the waiting plugin. Used as ``threading.Lock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._books = threading.Lock()
+        self._waited: dict[int, float] = {}  # thread ident -> seconds of finished waits
+        self._since: dict[int, float] = {}  # thread ident -> when its current wait began
+        self.holder: int | None = None  # ident of the thread holding the lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            self.holder = threading.get_ident()
+            return True
+        if not blocking:
+            return False
+        me = threading.get_ident()
+        with self._books:
+            self._since[me] = time.perf_counter()
+        try:
+            got = self._lock.acquire(True, timeout)
+        finally:
+            with self._books:
+                began = self._since.pop(me)
+                self._waited[me] = self._waited.get(me, 0.0) + time.perf_counter() - began
+        if got:
+            self.holder = me
+        return got
+
+    def release(self) -> None:
+        self.holder = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def waited(self, ident: int | None) -> tuple[float, float | None]:
+        """Thread ``ident``'s finished waits in seconds, and when its current wait began (None: not waiting)."""
+        with self._books:
+            return self._waited.get(ident or 0, 0.0), self._since.get(ident or 0)
+
+
 # Plugins probe concurrently; CPU microbenchmarks running at the same time
 # would share the cores and cache figures that are too low. Every CPU
 # microbenchmark runs under this lock.
-cpu_benchmark_lock = threading.Lock()
+cpu_benchmark_lock = BenchmarkLock()
 
 
 def memory_bandwidth(refresh: bool = False) -> float:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ class Measurement:
 class _Hold:
     """The CPU benchmark lock (or nothing), released during pauses so other probes go on."""
 
-    def __init__(self, lock: threading.Lock | None) -> None:
+    def __init__(self, lock: hostinfo.BenchmarkLock | None) -> None:
         self._lock = lock
 
     def __enter__(self) -> Self:
