@@ -191,6 +191,40 @@ def test_a_kept_plan_that_no_longer_compiles_is_charged_and_planned_around(model
     assert any(f.hook == "dspark_compile" for f in host.records["cheap"].faults)
 
 
+class HangsInBid(Cheap):
+    """Cheap, but its bids hang until ``release`` is set: timed out, it fails as a whole for this run."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(broken=False)
+        self.release = release
+
+    @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Device) -> Bid:
+        self.release.wait(30)
+        return Bid(device_id=device.id, runtime="cheap", latency_s=1e-7, peak_memory_bytes=0, precision="float32")
+
+
+def test_a_plan_made_while_a_plugin_had_failed_is_not_kept(model: Any, store: DiskPlanStore) -> None:
+    path, _ = model
+    release = threading.Event()
+    host = PluginHost(PluginSettings(autoload=False, blocked={"ngram", "drafters"}, timeout_override_s=5))
+    host.register(HangsInBid(release), "cheap")
+    host.load()
+    inv = probe(host)
+    try:
+        with Session(path, host=host, inventory=inv, plan_cache=store) as s:
+            assert "cheap" not in {p.target.plugin for p in s.plan.partitions}
+        assert host.records["cheap"].status == dspark.PluginStatus.FAILED
+    finally:
+        release.set()
+    healthy = PluginHost(PluginSettings(autoload=False, blocked={"ngram", "drafters"}))
+    healthy.register(Cheap(broken=False), "cheap")
+    healthy.load()
+    with Session(path, host=healthy, inventory=probe(healthy), plan_cache=store) as s:
+        assert s.plan_source == "planned"  # the plan made around the timeout was not kept
+        assert {p.target.plugin for p in s.plan.partitions} == {"cheap"}
+
+
 def test_concurrent_callers_each_get_their_own_outputs(model: Any, machine: Any, store: DiskPlanStore) -> None:
     path, w = model
     wrong: list[str] = []

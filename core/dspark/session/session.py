@@ -8,7 +8,8 @@ cost model from measured runs, re-plans when a device fills up or another
 plan becomes clearly faster, and plans around a partition whose plugin fails.
 The plan committed is kept on disk per model fingerprint and device inventory
 (:mod:`dspark.placement.adaptive.plan_store`), so a warm start compiles that plan
-without bidding or planning again.
+without bidding or planning again; a plan made while a plugin of the inventory
+had failed as a whole (a timeout) is not kept, as that plugin may be back.
 
 Thread safety: ``run`` may be called from any number of threads at once (as
 ``onnxruntime.InferenceSession.run`` may); runs on the same device are

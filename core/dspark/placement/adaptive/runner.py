@@ -231,6 +231,12 @@ class AdaptiveRunner:
     def _committed(self, plan: Plan) -> None:
         if self.plans is None:
             return
+        # A plugin that failed as a whole (a timeout, say) may be back at the next start: a plan made
+        # without it is not the healthy plan, and the next start bids afresh rather than reuse it.
+        gone = sorted({d.plugin for d in self.inv.drivers()} - set(self.host.active()))
+        if gone:
+            log.info("adaptive.plan_not_kept", reason=f"made while plugins {gone} had failed")
+            return
         with self._stats:
             ratios = dict(self._ratio)
         try:
