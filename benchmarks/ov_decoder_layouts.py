@@ -109,7 +109,7 @@ def main() -> None:
     from dspark_plugins_cpu import runtime
     from dspark_plugins_cpu.decoder import graph as G
 
-    engine = LLMEngine(MODEL, dtype=args.dtype, decoder="torch")
+    engine = LLMEngine.from_model(MODEL, dtype=args.dtype, decoder="torch")
     spec = make_spec(engine.runner, MODEL)
     layers = engine.runner.cfg.num_hidden_layers
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": D._OV_TYPES[spec.dtype],

@@ -38,7 +38,7 @@ def main() -> None:
     from dspark.llm.sampling import SamplingParams
 
     b = args.batch
-    e = LLMEngine(args.model, decoder=args.decoder, max_batch_size=b, max_total_tokens=2048 * max(1, b // 4))
+    e = LLMEngine.from_model(args.model, decoder=args.decoder, max_batch_size=b, max_total_tokens=2048 * max(1, b // 4))
     acc: dict[str, float] = {}
 
     def wrap(obj: Any, name: str, label: str | None = None) -> None:

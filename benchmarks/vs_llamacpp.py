@@ -14,7 +14,7 @@ the embedded draft model (stdlib-llama-draft) as BF16 for the speculation row.
 Workloads (``--only``):
 
   single   one request at a time, greedy, 128 new tokens (4 prompts of 96 tokens from the held-out files):
-           dspark's ``LLMEngine(file, decoder="auto")`` against llama.cpp alone (llama-cpp-python's C API
+           dspark's ``LLMEngine.from_model(file, decoder="auto")`` against llama.cpp alone (llama-cpp-python's C API
            driven directly: one ``llama_decode`` per token, numpy argmax), same file and threads
   serve8   8 / 32 requests at once (64 new tokens each, prompts of 32-128 tokens) through ``dspark serve``
   serve32  and through ``llama-server`` (``-np`` = the batch, continuous batching), each its own process,
@@ -73,7 +73,7 @@ def _gguf_of(checkpoint: Path, dtype: str) -> Path:
     """The llamacpp plugin's GGUF of a checkpoint (written by the engine's own start on that target)."""
     from dspark.llm.engine import LLMEngine
 
-    e = LLMEngine(checkpoint, dtype=dtype, decoder="llamacpp", max_batch_size=1, max_total_tokens=256)
+    e = LLMEngine.from_model(checkpoint, dtype=dtype, decoder="llamacpp", max_batch_size=1, max_total_tokens=256)
     if e.stats().decoder != "llamacpp@cpu":
         raise SystemExit(f"the llamacpp plugin did not take {checkpoint}: {e.decoder_choice}")
     return Path(e.runner.current.compiled.model.path)
@@ -153,7 +153,7 @@ def child_dspark_single(spec: dict[str, Any]) -> dict[str, Any]:
 
     base = _rss_mb("VmRSS")  # the interpreter and the libraries imported: what loading the model adds comes after
     t0 = time.perf_counter()
-    e = LLMEngine(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
+    e = LLMEngine.from_model(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
     load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec["new"], temperature=0, ignore_eos=True)
     e.add_request("warm", spec["warm"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -183,7 +183,7 @@ def child_dspark_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
 
     base = _rss_mb("VmRSS")
     t0 = time.perf_counter()
-    e = LLMEngine(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
+    e = LLMEngine.from_model(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
     load = time.perf_counter() - t0
     e.add_request("r", spec["warm"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     while e.has_unfinished():

@@ -141,9 +141,13 @@ def test_dense_offload_forced_is_token_identical(make_llm: Callable[..., Any], r
         llm = make_llm(dense_offload=plugin)
         off = llm.engine.dense_offload
         assert off is not None and off.device.plugin == plugin
+        timed: list[str] = []
+        calls = off.calls
+        llm.engine.observe(lambda work, seconds: timed.append(work))
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         assert got == want, plugin
         assert off._exes and off.calls > 0  # compiled per (layer, bucket) on first use, and used
+        assert timed.count("mlp") == off.calls - calls > 0 and timed.count("forward") == llm.stats().steps  # what metrics see
 
 
 def test_dense_offload_whose_run_fails_falls_back_to_torch(make_llm: Callable[..., Any]) -> None:

@@ -161,7 +161,7 @@ def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -
     host = host_from_cli(plugin)
     with err.status(f"bidding on {path.name}'s decoder and timing the bidders..."):
         # The engine's own start-up path, so a GGUF file is offered as the engine offers it.
-        engine = LLMEngine(path, dtype=dtype, decoder="auto", plugin_host=host)
+        engine = LLMEngine.from_model(path, dtype=dtype, decoder="auto", plugin_host=host)
     runner = engine.runner
     choice = engine.decoder_choice
     if choice is None:

@@ -6,12 +6,13 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput
 from dspark.llm.inputs import InputProcessor
+from dspark.llm.runner.types import Work
 from dspark.llm.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -40,7 +41,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", **engine_kw: Any) -> None:
-        self.engine = LLMEngine(_resolve(model), dtype=dtype, **engine_kw)
+        self.engine = LLMEngine.from_model(_resolve(model), dtype=dtype, **engine_kw)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -205,7 +206,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, dtype: str = "auto", **engine_kw: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine(_resolve(model), dtype=dtype, **engine_kw))
+        return cls(LLMEngine.from_model(_resolve(model), dtype=dtype, **engine_kw))
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -307,6 +308,11 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
+
+    def observe(self, fn: Callable[[Work, float], None]) -> None:
+        """:meth:`LLMEngine.observe`: ``fn`` is called on the engine thread; keep it short."""
+        with self._lock:
+            self.engine.observe(fn)
 
     def shutdown(self) -> None:
         self._stop = True

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dspark.host.log import get_logger
+from dspark.llm.assembly import EngineParts, build_parts
 from dspark.llm.config import EngineConfig
 from dspark.llm.detokenize import Detokenizer
-from dspark.llm.gguf import load_runner
-from dspark.llm.inputs import InputProcessor
 from dspark.llm.logits import (
     LogprobsPrefix,
     argmax_rows,
@@ -23,8 +23,7 @@ from dspark.llm.logits import (
     process_batch,
     token_logprobs,
 )
-from dspark.llm.runner.loader import load_config
-from dspark.llm.runner.types import SeqChunk
+from dspark.llm.runner.types import SeqChunk, Work
 from dspark.llm.outputs import EngineStats, RequestOutput, Usage
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
@@ -34,165 +33,54 @@ log = get_logger("dspark.llm.engine")
 if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
     from dspark.host.plugin_manager import PluginHost
-    from dspark.llm.decoding.setup import StartContext
-    from dspark.llm.speculative.decoder import SpecDecoder
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto",
-                 config: EngineConfig | None = None, plugin_host: PluginHost | None = None,
-                 **config_kw: Any) -> None:
-        """``plugin_host``: the plugins this engine uses for placement, quantization, dense offload and
-        drafters; by default every installed plugin, loaded on first need. One host and one inventory
-        serve the whole engine."""
-        if config is not None and config_kw:
-            raise TypeError("pass either config= or engine keyword arguments, not both")
-        t_start = time.perf_counter()
-        self.model_path = Path(model)
-        self._plugin_host = plugin_host
-        self._inventory: Inventory | None = None
-        cfg = config or EngineConfig(**config_kw)
-        if cfg.max_model_len is not None and (self.model_path / "config.json").exists():  # before loading
-            _check_max_len(cfg.max_model_len, load_config(self.model_path).max_position_embeddings)
-        # A quantized GGUF file starts without the torch runner's copy of its weights: a decoder that runs the
-        # file as stored (decoding/setup.py) then holds them once; the torch runner loads only if it must run.
-        plugins_may_run = cfg.decoder != "torch" and cfg.devices is None and cfg.dense_offload == "off"
-        self.runner, self.gguf = load_runner(self.model_path, dtype, weightless_if_quantized=plugins_may_run)
-        mcfg = self.runner.cfg
-        if cfg.max_model_len is not None:
-            _check_max_len(cfg.max_model_len, mcfg.max_position_embeddings)
-        max_len = cfg.max_model_len or mcfg.max_position_embeddings  # sliding windows are the runner's to honour
-        total = cfg.max_total_tokens or max(8192, max_len)
-        self.config = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
-        self.max_model_len = max_len
-        num_pages = -(-total // cfg.page_size)
-        self.placement: Any = None  # dspark.llm.placement.LayerPlacement when cfg.devices is set
-        self.dense_offload: Any = None
-        self.dense_offload_decision: Any = None
-        if cfg.devices is not None:  # before the cache: each layer's KV pages go where the layer runs
-            from dspark.llm.placement import place_engine
+    """The engine core: requests in, one scheduler step at a time, outputs out. ``LLMEngine.from_model(parts)`` assembles
+    what :func:`~dspark.llm.assembly.build_parts` built; :meth:`from_model` does both."""
 
-            auto = cfg.devices == "auto"  # else a device profile: planning only, by its own bidders
-            self.placement = place_engine(self.runner, cfg.devices, host=self.plugin_host if auto else None,
-                                          inv=self.inventory if auto else None, max_model_len=max_len,
-                                          max_total_tokens=num_pages * cfg.page_size,
-                                          decode_batch=min(cfg.max_batch_size, 8),
-                                          prefill_chunk=min(cfg.max_num_batched_tokens, 128))
-        self.quant_plan: Any = None  # dspark.llm.quantization.QuantPlan when the model runs quantized
-        self.quant_kernels: list[Any] = []  # who runs each quantized projection (KernelChoice)
-        self._quantize(cfg)
-        if cfg.dense_offload != "off":
-            from dspark.llm.placement import setup_dense_offload
-
-            devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
-            self.dense_offload, self.dense_offload_decision = setup_dense_offload(
-                self.runner, cfg.dense_offload, layer_devices=devs, host=self.plugin_host, inv=self.inventory)
-        from dspark.llm.decoding.setup import setup_runner
-
-        started = setup_runner(self._start_context(), self.runner)  # what runs the decoder, and why
-        self.runner, self.packed_linear, self.decoder_choice = started.runner, started.packed_linear, started.choice
-        page = started.page_size
-        self.cache = self.runner.make_cache(-(-total // page), page)
-        self.scheduler = Scheduler(self.config, self.cache)
-        self.tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(Path(model))
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.model_path, self.config, self.gguf = parts.model_path, parts.config, parts.gguf
+        self.max_model_len = parts.config.max_model_len or 0
+        self.runner, self.cache, self.spec = parts.runner, parts.cache, parts.spec
+        self.placement, self.dense_offload = parts.placement, parts.dense_offload
+        self.dense_offload_decision, self.decoder_choice = parts.dense_offload_decision, parts.decoder_choice
+        self.quant_plan, self.quant_kernels = parts.quant_plan, parts.quant_kernels or []
+        self.packed_linear = parts.packed_linear
+        self.tokenizer, self.inputs = parts.tokenizer, parts.inputs
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_ids = set(mcfg.eos_token_ids)
-        kv_tokens = self.cache.allocator.num_pages * self.cache.page_size
-        self.inputs = InputProcessor(tokenizer=self.tokenizer, vocab_size=mcfg.vocab_size,
-                                     bos_token_id=mcfg.bos_token_id, eos_ids=frozenset(self.eos_ids),
-                                     max_model_len=max_len, kv_tokens=kv_tokens)
+        self.eos_ids = set(parts.inputs.eos_ids)
+        self.scheduler = Scheduler(self.config, self.cache)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
-        self._default_gen = torch.Generator().manual_seed(0)
+        self._default_gen = parts.default_gen or torch.Generator().manual_seed(0)
         self._steps, self._step_ms, self._forward_ms = 0, 0.0, 0.0  # where step time goes (stats())
-        self.spec: SpecDecoder | None = None  # when speculative decoding is on
-        if cfg.speculative.active:
-            from dspark.llm.speculative.decoder import SpecDecoder
-
-            self.spec = SpecDecoder(cfg.speculative, runner=self.runner, cache=self.cache, model_path=self.model_path,
-                                    max_model_len=max_len, max_batch_size=self.config.max_batch_size,
-                                    eos_ids=self.eos_ids, default_gen=self._default_gen, host=self.plugin_host,
-                                    place_decoder=self.place_decoder)
-        self.load_seconds = time.perf_counter() - t_start
+        self.load_seconds = parts.load_seconds
         ref = getattr(self.runner, "reference", self.runner)
         log.info("llm.engine.loaded", model=str(self.model_path), seconds=round(self.load_seconds, 2),
                  decoder=getattr(getattr(self.runner, "current", None), "label", "torch"),
                  torch_weights="not loaded (the decoder holds the file's own)" if getattr(ref, "is_weightless", False)
                  else "loaded")
 
+    @classmethod
+    def from_model(cls, model: str | Path, *, dtype: str | torch.dtype = "auto", config: EngineConfig | None = None,
+                   plugin_host: PluginHost | None = None, **config_kw: Any) -> LLMEngine:
+        """Build and assemble an engine for ``model``: ``config`` or the engine keyword arguments
+        (:class:`~dspark.llm.config.EngineConfig`); ``plugin_host``: the plugins this engine uses for
+        placement, quantization, dense offload, decoders and drafters, by default every installed plugin,
+        loaded on first need."""
+        return cls(build_parts(model, dtype=dtype, config=config, plugin_host=plugin_host, **config_kw))
+
     @property
     def plugin_host(self) -> PluginHost:
         """The engine's one plugin host: the caller's, or every installed plugin, loaded on first need."""
-        if self._plugin_host is None:
-            from dspark.host.plugin_manager import PluginHost
-
-            self._plugin_host = PluginHost().load()
-        return self._plugin_host
-
-    def place_decoder(self, runner: Any, path: Path, max_total_tokens: int) -> tuple[Any, Any]:
-        """(runner, choice) for another model this engine runs (the draft model), placed as its own decoder."""
-        from dspark.llm.decoding.setup import place_other
-
-        return place_other(self._start_context(), runner, path, max_total_tokens)
-
-    def _start_context(self) -> StartContext:
-        from dspark.llm.decoding.setup import StartContext
-
-        return StartContext(config=self.config, model_path=self.model_path, gguf=self.gguf,
-                            quant_plan=self.quant_plan, placement=self.placement, dense_offload=self.dense_offload,
-                            plugin_host=lambda: self.plugin_host, inventory=lambda: self.inventory,
-                            load_torch_runner=self.load_torch_runner)
+        return self.parts.devices.host
 
     @property
     def inventory(self) -> Inventory:
         """The devices the engine's plugin host reports, probed once, on first need."""
-        if self._inventory is None:
-            from dspark.host.inventory import probe
-
-            self._inventory = probe(self.plugin_host)
-        return self._inventory
-
-    def load_torch_runner(self) -> Any:
-        """The torch runner with its weights, for a start that deferred them (a quantized GGUF file): the
-        file's tensors read now, its Q8_0 blocks on the int8 kernels. ``self.runner`` is left as it is."""
-        runner, self.gguf = load_runner(self.model_path, self.runner.dtype)
-        self._quantize(self.config, runner)
-        return runner
-
-    def _quantize(self, cfg: EngineConfig, runner: Any = None) -> None:
-        from dspark.llm.runner.loader import PLAN_FILE, is_optimized
-
-        runner = self.runner if runner is None else runner
-        if getattr(runner, "is_weightless", False):
-            return  # nothing to quantize yet: load_torch_runner() quantizes what it loads
-        qc = cfg.quantization
-        speed = None if qc is None else qc.speed_first
-        if self.gguf is not None:  # a GGUF file runs as its types say: Q8_0 on the int8 kernels (dspark.llm.gguf)
-            if qc is not None and qc.enabled:
-                raise ValueError(f"quantization: {self.model_path} is a GGUF file, run as its types say; "
-                                 "`dspark convert --quantization ...` it to plan another precision")
-            plan, speed = self.gguf.plan, False  # int8 even where float bids faster: the file's size is the point
-            if plan is None or not self.gguf.int8_layers or cfg.dense_offload != "off":  # offloaded MLP: float
-                return
-        elif is_optimized(self.model_path):
-            if qc is not None and qc.enabled:
-                raise ValueError(f"quantization: {self.model_path} is already an optimized directory (its plan is "
-                                 f"{PLAN_FILE}); quantize the original checkpoint instead")
-            from dspark.llm.quantization import QuantPlan
-
-            plan = QuantPlan.read(self.model_path / PLAN_FILE)
-        elif qc is not None and qc.enabled:
-            from dspark.llm.quantization.sensitivity import build_plan
-
-            plan = build_plan(runner, self.model_path, qc)
-        else:
-            return
-        if cfg.dense_offload != "off":
-            raise ValueError("dense_offload and quantization cannot be combined: the offloaded MLP runs float weights")
-        from dspark.llm.quantization.apply import apply_plan
-
-        self.quant_plan = plan
-        self.quant_kernels = apply_plan(runner, plan, speed_first=speed, host=self.plugin_host, inv=self.inventory)
+        return self.parts.devices.inventory
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -438,6 +326,11 @@ class LLMEngine:
             prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
         )
 
+    def observe(self, fn: Callable[[Work, float], None]) -> None:
+        """Tell ``fn(work, seconds)`` how long each forward, early-exit draft step and offloaded MLP call
+        takes (:class:`~dspark.llm.runner.types.StepObservers`); the server's metrics use it."""
+        self.runner.observers.add(fn)
+
     def stats(self) -> EngineStats:
         kv = self.cache.stats()
         return EngineStats(
@@ -452,15 +345,3 @@ class LLMEngine:
             decoder_failovers=len(getattr(self.runner, "failovers", ())),
             **(self.spec.stats() if self.spec is not None else {}),
         )
-
-
-def _check_max_len(max_model_len: int, max_pos: int) -> None:
-    if max_model_len > max_pos:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
-
-
-def _load_tokenizer(root: Path) -> Any:
-    from tokenizers import Tokenizer
-
-    f = root / "tokenizer.json"
-    return Tokenizer.from_file(str(f)) if f.exists() else None

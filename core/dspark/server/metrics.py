@@ -220,41 +220,18 @@ class ServerMetrics:
     def instrument_engine(self, engine: AsyncLLMEngine) -> None:
         """Time each forward step and each offloaded MLP call, labelled by who runs it."""
         eng = engine.engine
-        runner = eng.runner
         placement = getattr(eng, "placement", None)
         devices = "cpu" if placement is None else "+".join(sorted({p.device_id for p in placement.layers}))
         if placement is not None:
             for part in placement.plan.partitions:
                 self.partition_predicted.labels(part.plugin, part.device, f"p{part.id}").set(part.predicted_ms / 1e3)
         # torch executes the layers wherever the placer put them; the forward is the torch partition.
-        full = self.partition.labels("torch", devices, "forward")
-        early = self.partition.labels("torch", devices, "draft")  # self-drafting: the first layers only
-        step = getattr(runner, "step", None)
-        if step is None:  # a runner without a per-step forward: nothing to time
-            return
-
-        def timed_step(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return step(*a, **kw)
-            finally:
-                (early if kw.get("exit_layer") else full).observe(time.perf_counter() - t0)
-
-        runner.step = timed_step
-        offload, decision = eng.dense_offload, eng.dense_offload_decision
-        # Dense offload runs on the torch runner only (a compiled decoder has no MLP hook).
-        mlp = runner.mlp_offload if offload is not None and decision is not None else None
-        if mlp is not None:
-            mlp_hist = self.partition.labels(decision.plugin, decision.device_id, "mlp")
-
-            def timed_mlp(li: int, h: Any) -> Any:
-                t0 = time.perf_counter()
-                out = mlp(li, h)
-                if out is not None:  # None: torch ran it after all
-                    mlp_hist.observe(time.perf_counter() - t0)
-                return out
-
-            runner.mlp_offload = timed_mlp
+        hists = {"forward": self.partition.labels("torch", devices, "forward"),
+                 "draft": self.partition.labels("torch", devices, "draft")}  # self-drafting: the first layers only
+        decision = eng.dense_offload_decision
+        if eng.dense_offload is not None and decision is not None:  # the torch runner's prefill MLPs
+            hists["mlp"] = self.partition.labels(decision.plugin, decision.device_id, "mlp")
+        engine.observe(lambda work, seconds: hists[work].observe(seconds) if work in hists else None)
 
 
 class SequenceTimer:

@@ -27,7 +27,7 @@ def run_prompts(engine: LLMEngine, params: list[SamplingParams], prios: list[int
 
 
 def float_engine(decoder: str, model: Path | str = MODEL, **kw: Any) -> LLMEngine:
-    return LLMEngine(model, dtype="float32", decoder=decoder, **kw)
+    return LLMEngine.from_model(model, dtype="float32", decoder=decoder, **kw)
 
 
 def greedy(n: int = 24) -> list[SamplingParams]:

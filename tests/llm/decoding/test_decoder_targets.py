@@ -93,7 +93,7 @@ def test_auto_runs_the_target_measured_fastest() -> None:
     host = PluginHost(PluginSettings())
     host.register(slowed, "slowed")
     host.load()
-    e = LLMEngine(MODEL, dtype="float32", decoder="auto", plugin_host=host)
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host)
     c = e.decoder_choice
     assert c is not None
     labels = [r["label"] for r in c.ranked]
@@ -184,7 +184,7 @@ def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: b
     faulty = _Faulty(fail_at=16, hang_s=3.0 if hang else 0.0)  # the probe scenario takes 6 steps: mid-serving
     host.register(faulty, "faulty")
     host.load()
-    e = LLMEngine(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
     e.runner.step_timeout_s = 1.0
     assert e.stats().decoder == "faulty@cpu"
     got = _run(e, _greedy(20))
@@ -236,7 +236,7 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     host.register(_Counted("one", alive, seen), "one")
     host.register(_Counted("two", alive, seen), "two")
     host.load()
-    e = LLMEngine(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=8)
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=8)
     ranked = [r["label"] for r in (e.decoder_choice.ranked if e.decoder_choice else [])]
     assert {"one@cpu", "two@cpu"} <= set(ranked), ranked
     assert seen[:3] == [0, 0, 0]  # each timed, then the winner, compiled while no other's copy was alive
@@ -251,7 +251,7 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     host.register(_Faulty(fail_at=16), "faulty")  # fails mid-serving, after the probe scenario
     host.register(_Counted("one", alive, seen), "one")
     host.load()
-    e = LLMEngine(MODEL, dtype="float32", decoder="faulty,one", plugin_host=host, max_batch_size=8)
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty,one", plugin_host=host, max_batch_size=8)
     assert [t.label for t in e.runner.targets] == ["faulty@cpu", "one@cpu", "torch"]
     assert e.runner.targets[1].compiled is None and seen == []
     ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
@@ -269,7 +269,7 @@ def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None
     prompts = [[5, 9, 13, 2, 7] * 3, [11, 3, 8]]
 
     def run(decoder: str) -> tuple[list[list[int]], LLMEngine]:
-        e = LLMEngine(path, dtype="float32", decoder=decoder, max_batch_size=4)
+        e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, max_batch_size=4)
         for i, p in enumerate(prompts):
             e.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         out: dict[str, list[int]] = {}
@@ -294,7 +294,7 @@ def test_a_feature_the_plugin_lacks_is_declined_with_the_reason(checkpoint: Any)
     for f in path.iterdir():
         (path.parent / "sw" / f.name).write_bytes(f.read_bytes())
     (path.parent / "sw" / "config.json").write_text(_json.dumps(cfg))
-    e = LLMEngine(path.parent / "sw", dtype="float32", decoder="cpu")
+    e = LLMEngine.from_model(path.parent / "sw", dtype="float32", decoder="cpu")
     c = e.decoder_choice
     assert c is not None and c.chosen == "torch" and e.stats().decoder == "torch"
     assert any(d["label"] == "cpu@cpu" and "sliding_window" in d["reason"] for d in c.declined), c.declined
@@ -305,8 +305,8 @@ def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: s
     path = checkpoint("llama")
     q = {"method": method, "activations": "float", "group_size": 32, "calibration_samples": 1,
          "calibration_seq_len": 16}
-    ref = LLMEngine(path, dtype="float32", decoder="torch", quantization=q)
-    e = LLMEngine(path, dtype="float32", decoder="cpu", quantization=q)
+    ref = LLMEngine.from_model(path, dtype="float32", decoder="torch", quantization=q)
+    e = LLMEngine.from_model(path, dtype="float32", decoder="cpu", quantization=q)
     assert e.stats().decoder == "cpu@cpu", e.decoder_choice
     plan = e.runner.current.compiled.spec.quantization  # int4: the embedding stays int8 (a gather)
     assert plan and {s.weight_bits for s in plan.values()} == ({8} if method == "int8" else {4, 8})
@@ -353,7 +353,7 @@ def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
     host.register(_Capped(dspark_plugins_cpu, int(spec_bytes * 0.6)), "small_ov")  # ~60% of the model each
     host.register(_Capped(dspark_plugins_npu, int(spec_bytes * 0.6)), "small_ort")
     host.load()
-    e = LLMEngine(MODEL, dtype="float32", decoder="small_ov,small_ort", plugin_host=host, max_batch_size=8)
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="small_ov,small_ort", plugin_host=host, max_batch_size=8)
     c = e.decoder_choice
     assert c is not None and {d["label"] for d in c.declined} >= {"small_ov@cpu", "small_ort@cpu"}
     assert all("MiB free" in d["reason"] for d in c.declined if d["label"].startswith("small_"))

@@ -52,6 +52,17 @@ def test_greedy_output_is_token_identical_inside_continuous_batching(
         assert only["drafts"] == s.spec_drafts
 
 
+def test_observers_are_told_each_forward_and_each_early_exit_draft_step(spec_llm: Callable[..., LLM]) -> None:
+    llm = spec_llm(SPECS["self-k2"], max_batch_size=3)
+    seen: dict[str, list[float]] = {}
+    llm.engine.observe(lambda work, seconds: seen.setdefault(work, []).append(seconds))
+    llm.generate(_prompts()[:4], [_greedy(n) for n in GREEDY_LENS[:4]])
+    s = llm.stats()
+    assert len(seen["forward"]) == s.steps > 0  # one target forward per engine step, drafts verified inside it
+    assert s.spec_drafts > 0 and len(seen["draft"]) >= 2  # the self-drafter's first-layers steps, k=2 a round
+    assert set(seen) == {"forward", "draft"} and min(seen["forward"] + seen["draft"]) > 0
+
+
 def test_fully_accepted_drafts_emit_the_bonus_token(spec_llm: Callable[..., LLM], exact_draft: Path,
                                                     plain_outputs: list[list[int]]) -> None:
     llm = spec_llm({"strategy": "fixed", "draft_model": str(exact_draft), "drafters": ["model"],

@@ -35,7 +35,7 @@ from dspark.host.log import get_logger
 from dspark.llm.decoding.batch import SeqKV, build_batch, build_seq_batch, split_logits
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner
-from dspark.llm.runner.types import ModelConfig, SeqChunk
+from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
 from dspark.sdk.decoder import is_sequence
 
 if TYPE_CHECKING:
@@ -125,6 +125,7 @@ class DecoderRunner:
         self.failover_enabled = failover
         self.reference_loader = reference_loader
         self.failovers: list[dict[str, Any]] = []
+        self.observers = StepObservers()  # told each step's time (the reference's own steps included), when any listen
         self._caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -180,6 +181,12 @@ class DecoderRunner:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None = None) -> list[torch.Tensor]:
+        if not self.observers:
+            return self._step_chunks(cache, chunks, exit_layer)
+        with self.observers.timed("draft" if exit_layer is not None else "forward"):
+            return self._step_chunks(cache, chunks, exit_layer)
+
+    def _step_chunks(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None) -> list[torch.Tensor]:
         with self._lock:
             while True:
                 target = self.current

@@ -17,6 +17,7 @@ RoPE a layer uses) is read from the config here, once.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -31,7 +32,7 @@ from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import load_checkpoint, resolve_dtype
 from dspark.llm.runner.rope import Rope, apply_rope, longrope_splits
-from dspark.llm.runner.types import ModelConfig, SeqChunk
+from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
 
 __all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.layer_devices: list[torch.device] | None = None
         # Optional prefill MLP replacement: (layer index, normed h) -> MLP output or None (torch runs it).
         self.mlp_offload: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
+        self.observers = StepObservers()  # told each step's and each offloaded MLP call's time, when any listen
         self.f_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # quantized lm_head, when installed
         self.embed_q: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 [vocab, hidden], scales [vocab, 1]
         self.p_head: torch.Tensor | None = None  # oneDNN-packed lm_head for more than one row
@@ -228,6 +230,7 @@ class ModelRunner:
         self._family(cfg, dtype)
         self.layers = []
         self.layer_devices, self.mlp_offload, self.f_head, self.embed_q, self.p_head = None, None, None, None, None
+        self.observers = StepObservers()
         self.attention = "auto"
         self.is_weightless = True
         return self
@@ -312,6 +315,12 @@ class ModelRunner:
         the LM head (early exit, for self-drafting); only those layers' K/V are
         written, and the sequence lengths advance as for a full step.
         """
+        if not self.observers:
+            return self._step_chunks(cache, chunks, exit_layer)
+        with self.observers.timed("draft" if exit_layer is not None else "forward"):
+            return self._step_chunks(cache, chunks, exit_layer)
+
+    def _step_chunks(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None) -> list[torch.Tensor]:
         splits = {} if self.longrope_orig is None else longrope_splits(chunks, cache.seq_lens, self.longrope_orig)
         if not splits:
             return self._step(cache, chunks, exit_layer)
@@ -340,6 +349,18 @@ class ModelRunner:
                 self._step(cache, [SeqChunk(ch.seq_id, prefix, prompt_len=orig + 1 if long else None)], None)
             if s == 0 or long != (ch.seq_id in cache.long_rope):
                 (cache.long_rope.add if long else cache.long_rope.discard)(ch.seq_id)
+
+    def _offloaded_mlp(self, li: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``li``'s MLP by the plugin that won it (None: torch runs it after all), timed for observers."""
+        assert self.mlp_offload is not None
+        if not self.observers:
+            return self.mlp_offload(li, h)
+        t0 = time.perf_counter()
+        out = self.mlp_offload(li, h)
+        if out is not None:
+            for fn in self.observers.callbacks:
+                fn("mlp", time.perf_counter() - t0)
+        return out
 
     def _step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None) -> list[torch.Tensor]:
         c = self.cfg
@@ -425,7 +446,7 @@ class ModelRunner:
                 o_ = self._rms(o_, L.attn_out_norm)
             x = x + o_
             h = self._rms(x, L.post_norm)
-            mlp = self.mlp_offload(li, h) if self.mlp_offload is not None and multi else None
+            mlp = self._offloaded_mlp(li, h) if self.mlp_offload is not None and multi else None
             if mlp is None:
                 gu = L.f_gate_up(h) if L.f_gate_up is not None else mm(h, L.w_gate_up_t, L.p_gate_up, True)
                 g, u = gu.chunk(2, dim=-1)

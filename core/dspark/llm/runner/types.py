@@ -8,14 +8,17 @@ without importing each other for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from dspark.llm.runner.families import SLIDING
 
-__all__ = ["ModelConfig", "SeqChunk", "expected_shapes"]
+__all__ = ["ModelConfig", "SeqChunk", "StepObservers", "Work", "expected_shapes"]
 
 
 @dataclass
@@ -31,6 +34,36 @@ class SeqChunk:
     # The sequence's prompt length where known: RoPE that changes with the context (LongRoPE, dynamic NTK)
     # takes a prompt row's context as the whole prompt, as transformers' one-shot prefill does.
     prompt_len: int | None = None
+
+
+Work = Literal["forward", "draft", "mlp"]
+
+
+@dataclass
+class StepObservers:
+    """Who is told how long a runner's work took, as ``fn(work, seconds)``: ``"forward"`` (a whole-model
+    step), ``"draft"`` (an early-exit step, for self-drafting) or ``"mlp"`` (one offloaded MLP call that a
+    plugin ran). The server's metrics subscribe through ``LLMEngine.observe``; with no one subscribed a
+    runner times nothing."""
+
+    callbacks: list[Callable[[Work, float], None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.callbacks)
+
+    def add(self, fn: Callable[[Work, float], None]) -> None:
+        self.callbacks.append(fn)
+
+    @contextmanager
+    def timed(self, work: Work) -> Iterator[None]:
+        """Report the time the ``with`` body takes (also when it raises)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - t0
+            for fn in self.callbacks:
+                fn(work, seconds)
 
 
 class ModelConfig(BaseModel):
