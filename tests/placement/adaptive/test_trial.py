@@ -222,3 +222,31 @@ def test_a_split_is_raced_against_the_fastest_single_runtime_whatever_the_predic
     # The split is slowed by 50 ms a run: a margin no load on the machine reverses.
     win, _ = trial.decide([split, ov], [lambda: time.sleep(0.05), lambda: None], error=0.25)
     assert win == 1 and "a split is always raced against the fastest single runtime" in ov.decision
+
+
+def test_a_shape_bucket_races_plans_its_home_would_not(tmp_path: Any) -> None:
+    # The twin bids 40% under OpenVINO: beyond the cost model's error at the home size, so no race there,
+    # but within a bucket's wider one (its bids come from other sizes). Every twin run sleeps 20 ms more.
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dspark.graph.importers import load_model
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], [numpy_helper.from_array(w, "w")]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    graph = load_model(model, dim_hints={"batch": 1})
+    host, inv = twin_host(scale=0.6, extra_s=0.02)
+    runner = AdaptiveRunner(graph, host, inv)
+    x1 = rng.standard_normal((1, 16)).astype(np.float32)
+    x8 = rng.standard_normal((8, 16)).astype(np.float32)
+    np.testing.assert_allclose(runner.run({"x": x1})["y"], np.maximum(x1 @ w, 0), rtol=RTOL, atol=ATOL)
+    assert keys(runner.plan) == {"twin@cpu"} and runner.plan.decision.startswith("predicted"), runner.replans
+    np.testing.assert_allclose(runner.run({"x": x8})["y"], np.maximum(x8 @ w, 0), rtol=RTOL, atol=ATOL)
+    (bucket,) = runner.bucket_plans().items()
+    assert bucket[0] == "batch=8" and keys(bucket[1]) == {"cpu@cpu"}, bucket[1].decision
+    assert bucket[1].decision.startswith("measured: cpu@cpu") and "beat twin@cpu" in bucket[1].decision
+    runner.close()

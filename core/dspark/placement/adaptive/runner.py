@@ -35,17 +35,20 @@ class AdaptiveRunner:
                  free_memory: FreeMemory | None = None, table: placer.BidTable | None = None,
                  lock_by: Literal["device", "target"] = "device", warmup: bool = True,
                  memory_every_s: float = 0.5, measure_close: bool = True, max_shapes: int = 4,
-                 plans: PlanStore | None = None) -> None:
+                 plans: PlanStore | None = None, first_error: float = trial.DEFAULT_ERROR) -> None:
         """``plans`` keeps plans across processes (:mod:`dspark.placement.adaptive.plan_store`): a plan found there
         for this graph (at its sizes) and these targets is compiled and run as is, with the corrections
         measured beside it, and the bids are collected only when a re-plan needs them (a warm start);
-        every plan committed (placed, raced, re-planned, recovered) is handed back to it."""
+        every plan committed (placed, raced, re-planned, recovered) is handed back to it. ``first_error``: the
+        cost model's relative error before runs corrected it, which decides the plans raced on the first run
+        (a shape bucket's runner is given :data:`~dspark.placement.adaptive.trial.BUCKET_ERROR`)."""
         self.graph, self.host = graph, host
         self.inv = inv.model_copy(deep=True)  # free memory is updated in place on this copy
         self.threshold, self.min_runs, self.alpha = threshold, min_runs, alpha
         self.replan_every = replan_every or min_runs
         self.free_memory = free_memory or host_free_memory(self.inv)
         self.lock_by, self.warmup, self.memory_every_s, self.measure_close = lock_by, warmup, memory_every_s, measure_close
+        self.first_error = first_error
         self._table = table  # collected when first needed: a warm start may never need it
         self.plans = plans
         kept = plans.load(graph, self.inv) if plans is not None else None
@@ -137,11 +140,16 @@ class AdaptiveRunner:
                                 min_runs=self.min_runs, replan_every=self.replan_every, alpha=self.alpha,
                                 free_memory=self.free_memory, lock_by=self.lock_by, warmup=self.warmup,
                                 memory_every_s=self.memory_every_s, measure_close=self.measure_close,
-                                plans=self.plans)
+                                plans=self.plans, first_error=max(self.first_error, trial.BUCKET_ERROR))
         how = "ran the plan kept for them" if runner.plan_source == "kept" else "re-bid and re-planned at them"
         self.replans.append(f"input sizes {dict(key)} are outside the plan's {home}: {how}")
         log.info("adaptive.shape_bucket", bucket=dict(key), home=home, plan_source=runner.plan_source)
         return runner
+
+    def bucket_plans(self) -> dict[str, Plan]:
+        """The plan of each input-size bucket that has one now (``"batch=16"``), besides :attr:`plan`."""
+        return {",".join(f"{k}={v}" for k, v in key): r.plan for key in self._shapes.plans.keys()
+                if (r := self._shapes.plans.get(key)) is not None}
 
     def settle(self, timeout: float | None = 60.0) -> None:
         """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
@@ -187,7 +195,7 @@ class AdaptiveRunner:
     def _error(self) -> float:
         """The cost model's current relative error: measured once runs corrected it, else the default."""
         corrected = self.prediction_error()["corrected"]
-        return trial.DEFAULT_ERROR if corrected is None else float(corrected)
+        return self.first_error if corrected is None else float(corrected)
 
     def _drop(self, exc: PartitionFailed, stage: Literal["compile", "run"]) -> None:
         """Charge a failed partition to its plugin and take its target's bids for those ops out."""

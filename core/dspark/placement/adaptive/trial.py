@@ -36,6 +36,10 @@ class CompiledPlanLike(Protocol):
 
 DEFAULT_ERROR = 0.25  # the cost model's relative error before any run corrected it (its target, issue 3)
 MIN_ERROR = 0.03  # a corrected model is never trusted closer than this
+# A shape bucket's bids come from other sizes (scaled by the roofline) or are timed alone at its own, and
+# runtimes differ in what a batch gains them (docs/benchmarks.md, "Serving any model"): plans predicted
+# within 2x of the best are raced on the bucket's first run.
+BUCKET_ERROR = 1.0
 MAX_RIVALS = 3
 ROUNDS = 6
 BLOCK = 3
