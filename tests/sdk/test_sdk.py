@@ -40,8 +40,11 @@ def test_api_1_3_module_names_warn_and_stand_for_the_sdk_modules(monkeypatch: py
     assert log.get_logger is dspark.sdk.get_logger
     assert sorted(n for n in dir(cost) if not n.startswith("_")) == sorted(n for n in dir(dspark.sdk.cost)
                                                                           if not n.startswith("_"))
-    monkeypatch.setattr(calibration, "OBSERVE_MIN", 5)  # a knob set through the old name is the new module's
-    assert dspark.sdk.calibration.OBSERVE_MIN == 5
+    before = dspark.sdk.calibration.OBSERVE_MIN
+    monkeypatch.setattr(calibration, "OBSERVE_MIN", before + 3)  # a knob set through the old name is the new module's
+    assert dspark.sdk.calibration.OBSERVE_MIN == dspark.sdk.calibration.config.OBSERVE_MIN == before + 3
+    monkeypatch.undo()  # and undone through it, the new module's knob is back (not deleted)
+    assert dspark.sdk.calibration.OBSERVE_MIN == dspark.sdk.calibration.config.OBSERVE_MIN == before
     # each old name warns once, when first imported, naming its replacement and when it goes
     for old, new in [("cost", "dspark.sdk.cost"), ("log", "dspark.sdk.get_logger"), ("cache", "dspark.sdk.cache")]:
         code = f"import warnings; warnings.simplefilter('always'); import dspark.{old}"

@@ -36,6 +36,12 @@ class _Alias(ModuleType):
     def __dir__(self) -> list[str]:
         return sorted(set(dir(self._dspark_target)))
 
+    @property  # type: ignore[misc]  # ModuleType's __dict__ is read-only; this reads the target's
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        # What tools that look a name up in ``__dict__`` see: pytest's monkeypatch records the old value
+        # from there, and finding none there it would delete the name from the target on undo.
+        return self._dspark_target.__dict__
+
 
 def deprecated_alias(name: str, target: ModuleType, instead: str | None = None) -> None:
     """Make module ``name`` (being imported) a deprecated alias of ``target``; ``instead``: what the
