@@ -19,10 +19,11 @@ for _helpers in (_TESTS, _TESTS / "llm"):
     if str(_helpers) not in sys.path:
         sys.path.insert(0, str(_helpers))
 
-# One cache per test session, shared with the subprocesses the tests start,
-# so microbenchmarks run once and the user's ~/.cache is never touched.
-_CACHE = tempfile.mkdtemp(prefix="dspark-test-cache-")
-os.environ["DSPARK_CACHE_DIR"] = _CACHE
+# One cache per test session, shared with the subprocesses the tests start and with pytest-xdist's
+# workers (they inherit the environment of the process that started them), so microbenchmarks run
+# once and the user's ~/.cache is never touched.
+_CACHE = os.environ.get("DSPARK_TEST_SESSION_CACHE") or tempfile.mkdtemp(prefix="dspark-test-cache-")
+os.environ["DSPARK_TEST_SESSION_CACHE"] = os.environ["DSPARK_CACHE_DIR"] = _CACHE
 for var in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD", "DSPARK_HOOK_TIMEOUT", "DSPARK_TRACE"):
     os.environ.pop(var, None)
 # The engine's decoder defaults to the torch runner here: most tests are about the engine's own logic
