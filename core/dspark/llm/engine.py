@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class LLMEngine:
-    """The engine core: requests in, one scheduler step at a time, outputs out. ``LLMEngine.from_model(parts)`` assembles
+    """The engine core: requests in, one scheduler step at a time, outputs out. ``LLMEngine(parts)`` assembles
     what :func:`~dspark.llm.assembly.build_parts` built; :meth:`from_model` does both."""
 
     def __init__(self, parts: EngineParts) -> None:

@@ -1,7 +1,7 @@
 """What an engine is assembled from, built in order: the model loaded, quantized, its layers placed, its
 decoder chosen, the KV cache sized, the tokenizer, and the speculative decoder when on.
 
-:func:`build_parts` does the work ``LLMEngine.from_model`` asks for; ``LLMEngine.from_model(parts)`` only assembles
+:func:`build_parts` does the work ``LLMEngine.from_model`` asks for; ``LLMEngine(parts)`` only assembles
 (vLLM's ``EngineCore`` gets its executor the same way). The plugin host and the device inventory are made
 on first need (:class:`Devices`), so a start that runs the torch runner alone never loads plugins.
 """
