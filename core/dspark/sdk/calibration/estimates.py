@@ -186,7 +186,8 @@ def calibrate(subgraph: Subgraph, device: Device, *, runtime_key: str, compile: 
                           cold=("baseline-v1" if cold_baseline is not None else True) if cold else False)
     hit = store.load(key)
     if hit is not None and not _stale(key, hit):
-        if "latency_s" in hit and key["dims"] and store.first_sight(key):  # entries timed before shape families were kept
+        # An entry timed before shape families were kept gives its family a ratio too.
+        if "latency_s" in hit and key["dims"] and store.first_sight(key):
             store.remember_ratio(key, dict(key["dims"]), roofline(subgraph, device), float(hit["latency_s"]))
         return _from_entry(subgraph, device, key, hit, call_overhead_s)
     predicted = roofline(subgraph, device)
