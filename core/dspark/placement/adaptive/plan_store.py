@@ -25,8 +25,9 @@ log = get_logger("dspark.placement.adaptive.plan_store")
 
 NAMESPACE = "plans"
 # Part of every kept plan's key: bumped when placement decides differently (2: a split is always raced
-# against the fastest single runtime), so that plans kept by an older placer are made again, not reused.
-PLACER_VERSION = 2
+# against the fastest single runtime; 3: a shape bucket races plans within 2x of its best), so that plans
+# kept by an older placer are made again, not reused.
+PLACER_VERSION = 3
 Key = tuple[str, str, str]  # (plugin, device id, op type): the adaptive runner's correction keys
 
 
