@@ -41,12 +41,12 @@ class LLMEngine:
 
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
-        self.model_path, self.config, self.gguf = parts.model_path, parts.config, parts.gguf
+        self.model_path, self.config = parts.model_path, parts.config
         self.max_model_len = parts.config.max_model_len or 0
         self.runner, self.cache, self.spec = parts.runner, parts.cache, parts.spec
         self.placement, self.dense_offload = parts.placement, parts.dense_offload
         self.dense_offload_decision, self.decoder_choice = parts.dense_offload_decision, parts.decoder_choice
-        self.quant_plan, self.quant_kernels = parts.quant_plan, parts.quant_kernels or []
+        self.quant_kernels = parts.quant_kernels
         self.packed_linear = parts.packed_linear
         self.tokenizer, self.inputs = parts.tokenizer, parts.inputs
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -54,7 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.cache)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
-        self._default_gen = parts.default_gen or torch.Generator().manual_seed(0)
+        self._default_gen = parts.default_gen
         self._steps, self._step_ms, self._forward_ms = 0, 0.0, 0.0  # where step time goes (stats())
         self.load_seconds = parts.load_seconds
         ref = getattr(self.runner, "reference", self.runner)
@@ -71,6 +71,16 @@ class LLMEngine:
         placement, quantization, dense offload, decoders and drafters, by default every installed plugin,
         loaded on first need."""
         return cls(build_parts(model, dtype=dtype, config=config, plugin_host=plugin_host, **config_kw))
+
+    @property
+    def gguf(self) -> Any:
+        """The GGUF file's model (``dspark.llm.gguf``), None for other formats."""
+        return self.parts.gguf
+
+    @property
+    def quant_plan(self) -> Any:
+        """The quantization plan the model runs (``dspark.llm.quantization.QuantPlan``), None when float."""
+        return self.parts.quant_plan
 
     @property
     def plugin_host(self) -> PluginHost:

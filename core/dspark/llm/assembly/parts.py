@@ -9,7 +9,7 @@ on first need (:class:`Devices`), so a start that runs the torch runner alone ne
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,13 +70,16 @@ class EngineParts:
     gguf: Any = None  # dspark.llm.gguf.GGUFModel for a GGUF file
     placement: Any = None  # dspark.llm.placement.LayerPlacement when config.devices is set
     quant_plan: Any = None  # dspark.llm.quantization.QuantPlan when the model runs quantized
-    quant_kernels: list[Any] | None = None  # who runs each quantized projection (KernelChoice)
+    # Who runs each quantized projection (KernelChoice); the build's own list, so a torch runner loaded
+    # later (a quantized GGUF file's deferred weights) adds its kernels here too.
+    quant_kernels: list[Any] = field(default_factory=list)
     dense_offload: Any = None
     dense_offload_decision: Any = None
     packed_linear: Any = None
     decoder_choice: Any = None  # dspark.llm.decoding.choose.DecoderChoice, None when only torch may run
     spec: SpecDecoder | None = None
-    default_gen: torch.Generator | None = None  # the sampling generator of requests without a seed
+    # The sampling generator of requests without a seed, shared with the speculative decoder.
+    default_gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
     load_seconds: float = 0.0
 
 
@@ -103,6 +106,7 @@ class _Builder:
         self.quant_kernels: list[Any] = []
         self.dense_offload: Any = None
         self.dense_offload_decision: Any = None
+        self.built: EngineParts | None = None  # the parts, once made: a later torch load updates them
         if cfg.max_model_len is not None and (model / "config.json").exists():  # before loading
             _check_max_len(cfg.max_model_len, load_config(model).max_position_embeddings)
         # A quantized GGUF file starts without the torch runner's copy of its weights: a decoder that runs the
@@ -153,13 +157,14 @@ class _Builder:
             spec = SpecDecoder(cfg.speculative, runner=runner, cache=cache, model_path=self.model_path,
                                max_model_len=max_len, max_batch_size=cfg.max_batch_size, eos_ids=set(eos_ids),
                                default_gen=default_gen, host=self.devices.host, place_decoder=self.place_decoder)
-        return EngineParts(
+        self.built = EngineParts(
             model_path=self.model_path, config=cfg, runner=runner, cache=cache, tokenizer=tokenizer, inputs=inputs,
             devices=self.devices, gguf=self.gguf, placement=self.placement, quant_plan=self.quant_plan,
             quant_kernels=self.quant_kernels, dense_offload=self.dense_offload,
             dense_offload_decision=self.dense_offload_decision, packed_linear=started.packed_linear,
             decoder_choice=started.choice, spec=spec, default_gen=default_gen,
             load_seconds=time.perf_counter() - t_start)
+        return self.built
 
     def start_context(self) -> StartContext:
         from dspark.llm.decoding.setup import StartContext
@@ -180,6 +185,8 @@ class _Builder:
         file's tensors read now, its Q8_0 blocks on the int8 kernels."""
         runner, self.gguf = load_runner(self.model_path, self.runner.dtype)
         self._quantize(runner)
+        if self.built is not None:  # a failover after the start: the engine reads its parts
+            self.built.gguf, self.built.quant_plan = self.gguf, self.quant_plan
         return runner
 
     def _quantize(self, runner: Any) -> None:
