@@ -361,7 +361,7 @@ def rederive_dim_hints(ops: list[Op], inputs: list[str], outputs: list[str], *, 
     if not any(isinstance(d, str) and d not in out for spec in tensors.values() for d in spec.shape):
         return out
     small = [n for n, a in initializers.items() if a.size <= 1024]  # shape operands, for data propagation
-    big = [n for n in initializers if n not in set(small) and n in tensors]  # declared, never serialized
+    big = [n for n, a in initializers.items() if a.size > 1024 and n in tensors]  # declared, never serialized
     try:
         model = ops_to_onnx(ops, [*inputs, *big], outputs, small, name="rederive", opset=opset,
                             tensors=tensors, initializers=initializers)

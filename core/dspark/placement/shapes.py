@@ -259,6 +259,11 @@ class ShapePlans(Generic[T]):
         with self._lock:
             return list(self._entries)
 
+    def items(self) -> list[tuple[BucketKey, T]]:
+        """The cached buckets and their values, least recently used first (the order is left as it is)."""
+        with self._lock:
+            return list(self._entries.items())
+
     def clear(self) -> None:
         """Drop every entry, calling ``on_evict`` for each (e.g. when the owner closes)."""
         with self._lock:

@@ -148,8 +148,7 @@ class AdaptiveRunner:
 
     def bucket_plans(self) -> dict[str, Plan]:
         """The plan of each input-size bucket that has one now (``"batch=16"``), besides :attr:`plan`."""
-        return {",".join(f"{k}={v}" for k, v in key): r.plan for key in self._shapes.plans.keys()
-                if (r := self._shapes.plans.get(key)) is not None}
+        return {",".join(f"{k}={v}" for k, v in key): r.plan for key, r in self._shapes.plans.items()}
 
     def settle(self, timeout: float | None = 60.0) -> None:
         """Wait for a re-plan running in the background (tests, and callers about to read ``plan``)."""
