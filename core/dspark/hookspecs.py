@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.9).
+"""The dspark plugin contract (API version 1.10).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.9"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.10"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -20,6 +20,10 @@ API 1.8 added decoders that keep the KV per sequence themselves (``DecoderBid.kv
 :class:`~dspark.sdk.decoder.SequenceDecoder`, :class:`~dspark.sdk.decoder.SeqBatch`). API 1.9 gives
 drafters that ask for them (a ``target_rows`` attribute) the target's own output rows at a
 sequence's last positions (``DraftRequest.target_rows``), for feature-level draft heads.
+API 1.10 writes every model family's decoder once (:func:`dspark.sdk.family.forward`) over ops a
+plugin supplies (:class:`~dspark.sdk.family.DecoderOps`); ``DecoderSpec`` spells out what a family
+changes (per-layer windows and RoPE tables, scales, soft-caps, activation) and ``LayerWeights``
+carries Gemma's output norms.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -56,7 +60,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.9"
+API_VERSION = "1.10"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -38,7 +38,7 @@ def test_devices_lists_the_plugin_from_its_entry_point(plugin_env: dict[str, str
     assert numpy_plugin["source"] == "entry point"
     assert numpy_plugin["module"] == "dspark_numpy"
     assert numpy_plugin["version"] == "0.1.0"
-    assert numpy_plugin["api_version"] == "1.4"
+    assert numpy_plugin["api_version"] == "1.10"
     assert numpy_plugin["status"] == "active", numpy_plugin["reason"]
     assert numpy_plugin["devices"] == ["cpu"]
     cpu = next(d for d in inventory["devices"] if d["id"] == "cpu")
@@ -62,3 +62,4 @@ def test_the_plugins_own_suite_passes(plugin_env: dict[str, str]) -> None:
     assert "test_op_matches_reference[Conv] SKIPPED" in out, out
     assert "test_probe_valid_idempotent_fast PASSED" in out, out
     assert "test_quantize SKIPPED" in out, out
+    assert "test_decoders PASSED" in out, out  # every family on the ops of dspark.sdk.family (API 1.10)

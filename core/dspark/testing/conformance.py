@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from dspark.host.plugin_manager import PluginHost
 from dspark.testing.compare import compare
+from dspark.testing.decoder_kit import check_decoders
 from dspark.testing.kit import (
     DRAFT_TARGET,
     PROBE_CACHED_LIMIT_S,
@@ -95,3 +96,10 @@ class PluginConformance:
 
     def test_drafters(self) -> None:
         self._assert(self._kit().check_drafters())
+
+    def test_decoders(self, tmp_path: Any) -> None:
+        """Every family's tiny checkpoint on every device (API 1.10): declines skip, broken promises fail."""
+        kit = self._kit()
+        if not kit.devices:
+            kit.check_probe()
+        self._assert(check_decoders(kit, workdir=tmp_path))

@@ -75,6 +75,9 @@ class LayerWeights:
     o_bias: np.ndarray | None = None  # [hidden]
     q_norm: np.ndarray | None = None  # [D]
     k_norm: np.ndarray | None = None  # [D]
+    # API 1.10: Gemma's norms of the attention output and of the MLP output, before each residual add.
+    attn_out_norm: np.ndarray | None = None  # [hidden]
+    mlp_out_norm: np.ndarray | None = None  # [hidden]
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,18 @@ class DecoderSpec:
     weights_fn: Callable[[], DecoderWeights] = field(repr=False, compare=False, default=lambda: _no_weights())
     rope_fn: Callable[[int], tuple[np.ndarray, np.ndarray]] = field(repr=False, compare=False,
                                                                      default=lambda n: _no_weights())
+    # API 1.10: what the family changes in the forward, spelled out so that one definition
+    # (dspark.sdk.family.forward) runs every family. Empty per-layer tuples mean "the plain default".
+    windows: tuple[int | None, ...] = ()  # per layer: attends to its last this-many positions; None = all
+    layer_rope: tuple[int | None, ...] = ()  # per layer: which RoPE table (rope_at's index); None = no RoPE
+    rotary_dim: int = 0  # dims of each head RoPE rotates (partial rotary); 0 = head_dim
+    attn_scale: float | None = None  # the attention scale; None = head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> tanh(scores / c) * c before the softmax
+    final_softcap: float | None = None  # logits -> tanh(logits / c) * c
+    embed_scale: float | None = None  # the embedding rows multiplied by this (Gemma: sqrt(hidden))
+    activation: str = "silu"  # the gated MLP's activation: "silu", "gelu_tanh" or "gelu"
+    rope_tables_fn: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = field(
+        repr=False, compare=False, default=None)
 
     @property
     def first(self) -> bool:
@@ -144,6 +159,28 @@ class DecoderSpec:
         """cos and sin tables ``[num_positions, head_dim]`` (float32, rotate-half layout: row p is
         ``cat(f, f)`` for the frequencies ``f`` at position p, attention scaling folded in)."""
         return self.rope_fn(num_positions)
+
+    def rope_at(self, index: int, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """Table ``index`` of :attr:`layer_rope` (0: the model's RoPE; 1: Gemma 3's local one), as :meth:`rope`;
+        ``[num_positions, rotary_dim]``."""
+        if self.rope_tables_fn is None:
+            if index != 0:
+                raise ValueError(f"this DecoderSpec has no RoPE table {index}")
+            return self.rope_fn(num_positions)
+        return self.rope_tables_fn(index, num_positions)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (it attends to its last this-many positions); None = every position."""
+        return self.windows[layer] if self.windows else None
+
+    def rope_of(self, layer: int) -> int | None:
+        """Which RoPE table ``layer`` rotates q and k by; None = the layer has no RoPE."""
+        return self.layer_rope[layer] if self.layer_rope else 0
+
+    @property
+    def rotary(self) -> int:
+        """Dims of each head RoPE rotates (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     def unsupported(self, supported: set[str] | frozenset[str]) -> str | None:
         """The reason to decline, naming the features outside ``supported``; None if all are."""

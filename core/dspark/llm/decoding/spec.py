@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
 
 
+_ACTIVATION = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
 def features(runner: ModelRunner) -> frozenset[str]:
     """What the model needs beyond a plain Llama decoder (dspark.sdk.decoder.FEATURES)."""
     c = runner.cfg
@@ -63,7 +66,8 @@ def weights_of(runner: ModelRunner) -> DecoderWeights:
         layers.append(LayerWeights(
             in_norm=_np(L.in_norm), post_norm=_np(L.post_norm), qkv=_np(L.w_qkv_t), o=_np(L.w_o.t()),
             gate_up=_np(L.w_gate_up_t), down=_np(L.w_down.t()), qkv_bias=_np(L.b_qkv), o_bias=_np(L.b_o),
-            q_norm=_np(L.q_norm), k_norm=_np(L.k_norm)))
+            q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), attn_out_norm=_np(L.attn_out_norm),
+            mlp_out_norm=_np(L.mlp_out_norm)))
     return DecoderWeights(embed=_np(runner.embed), norm=_np(runner.norm), head=_np(runner.lm_head_t), layers=layers)
 
 
@@ -117,12 +121,15 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
               max_num_tokens: int = 512, max_num_seqs: int = 256,
               quantization: dict[str, QuantSpec] | None = None, extra_features: frozenset[str] = frozenset()) -> DecoderSpec:
     c = runner.cfg
-    rope = runner.ropes[0]
+    ropes = runner.ropes
     weights_fn = SpecWeights(runner, path, bool(quantization))
 
-    def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
-        cos, sin = rope.cos_sin(torch.arange(n), torch.float32)
+    def rope_tables_fn(index: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = ropes[index].cos_sin(torch.arange(n), torch.float32)
         return cos.numpy(), sin.numpy()
+
+    def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
+        return rope_tables_fn(0, n)
 
     return DecoderSpec(
         name=path.name, path=str(path), fingerprint=fingerprint(path, runner, {k: v.model_dump() for k, v in (quantization or {}).items()}),
@@ -134,4 +141,8 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
-        weights_fn=weights_fn, rope_fn=rope_fn)
+        weights_fn=weights_fn, rope_fn=rope_fn, rope_tables_fn=rope_tables_fn,
+        windows=tuple(runner.windows), layer_rope=tuple(runner.layer_rope), rotary_dim=ropes[0].dim,
+        attn_scale=runner.attn_scale, attn_softcap=c.attn_logit_softcapping, final_softcap=c.final_logit_softcapping,
+        embed_scale=None if runner.embed_scale is None else float(runner.embed_scale),
+        activation=_ACTIVATION.get(c.hidden_act, c.hidden_act))

@@ -3,7 +3,9 @@
 It drives the host CPU with plain NumPy kernels for a dozen float32 ops. It
 bids only on subgraphs it can run whole, computes a roofline cost from a
 measured (and cached) matmul peak, and compiles a subgraph into an object
-that runs its ops in order. Everything a plugin needs is in this one file.
+that runs its ops in order. Everything a plugin needs for graphs is in this one
+file; :mod:`dspark_numpy.decoder` adds an LLM decoder the way a vendor adds one,
+by implementing the ops of dspark's one decoder definition (API 1.10).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import numpy as np
 from dspark import hookimpl
 from dspark.graph import Op, Subgraph
 from dspark.sdk import cache, calibration, hostinfo, time_call
-from dspark.types import Bid, Device
+from dspark.sdk.decoder import DecoderSpec
+from dspark.types import Bid, DecoderBid, Device
+from dspark_numpy import decoder as _decoder
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.4"  # the plugin contract this was written against (dspark.sdk names)
+DSPARK_API_VERSION = "1.10"  # the plugin contract this was written against (dspark.sdk.family)
 
 RUNTIME = "numpy"
 _OP_OVERHEAD_S = 2e-6  # per-op Python dispatch; a guess the roofline adds to each op
@@ -170,5 +174,15 @@ def dspark_compile(subgraph: Subgraph, device: Device) -> NumpyExecutable | None
     return NumpyExecutable(subgraph)
 
 
+@hookimpl
+def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | None:
+    return _decoder.decoder_bid(decoder, device)
+
+
+@hookimpl
+def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> _decoder.NumpyDecoder | None:
+    return _decoder.compile_decoder(decoder, device)
+
+
 __all__ = ["DSPARK_API_VERSION", "KERNELS", "NumpyExecutable", "dspark_bid", "dspark_compile",
-           "dspark_probe_devices"]
+           "dspark_compile_decoder", "dspark_decoder_bid", "dspark_probe_devices"]

@@ -1,0 +1,73 @@
+"""The numpy example plugin's decoder: dspark.sdk.family.forward on ops a vendor writes, under the engine.
+
+Every family's tiny checkpoint runs the engine (batching, chunked prefill, speculative verification)
+on the ops and gives the torch runner's greedy tokens in float32; a family the definition cannot yet
+express is declined with the reason. The kit's decoder check runs in the plugin's own suite
+(tests/plugins/test_example_plugin.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.llm.engine import LLMEngine
+from dspark.llm.sampling import SamplingParams
+from dspark.testing import tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "dspark-numpy" / "src"))
+import dspark_numpy  # noqa: E402
+
+PROMPTS = [[5, 9, 13, 2, 7] * 4, [11, 3, 8], list(range(30, 60))]
+
+
+@pytest.fixture(scope="module")
+def host() -> PluginHost:
+    h = PluginHost(PluginSettings())
+    h.register(dspark_numpy, "numpy")
+    h.load()
+    return h
+
+
+def _tokens(path: Path, decoder: str, host: PluginHost, **kw: Any) -> tuple[list[list[int]], LLMEngine]:
+    e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, max_batch_size=4, plugin_host=host, **kw)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+    return [out[str(i)] for i in range(len(PROMPTS))], e
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "smollm3", "mistral_sliding", "phi4_mini"])
+def test_every_family_runs_on_the_ops_with_the_torch_runners_tokens(tmp_path: Path, host: PluginHost,
+                                                                     variant: str) -> None:
+    path = tiny_checkpoint(tmp_path / variant, variant)
+    ref, _ = _tokens(path, "torch", host)
+    got, e = _tokens(path, "numpy", host, max_num_batched_tokens=16)  # prompts run in chunks
+    assert e.stats().decoder == "numpy@cpu", e.decoder_choice
+    assert got == ref
+
+
+def test_self_drafting_through_an_early_exit_on_the_ops_is_lossless(tmp_path: Path, host: PluginHost) -> None:
+    path = tiny_checkpoint(tmp_path / "gemma2", "gemma2")
+    ref, _ = _tokens(path, "torch", host)
+    got, e = _tokens(path, "numpy", host, speculative_decoding={"strategy": "fixed", "drafters": ["self"],
+                                                                "exit_layer": 1})
+    s = e.stats()
+    assert s.decoder == "numpy@cpu" and s.spec_drafts > 0, s
+    assert got == ref
+
+
+def test_what_the_definition_cannot_express_is_declined_naming_it(tmp_path: Path, host: PluginHost) -> None:
+    path = tiny_checkpoint(tmp_path / "phi3", "phi3_longrope")
+    e = LLMEngine.from_model(path, dtype="float32", decoder="numpy", plugin_host=host)
+    c = e.decoder_choice
+    assert c is not None and c.chosen == "torch"
+    reason = next(d["reason"] for d in c.declined if d["label"] == "numpy@cpu")
+    assert "context_rope" in reason and "LongRoPE" in reason, reason
