@@ -8,7 +8,7 @@ v, gate and up projections on rank-3 activations with f16 weight constants,
 ours fused QKV and gate_up on rank-2 activations with f32 constants. The CPU
 plugin has LLM-specific fusions (``QKVProjection``, ``LLMMLP``) whose patterns
 depend on exactly that. This builds the embedded model's decoder in each
-combination (``dspark_plugins_cpu.decoder.graph`` with its layer swapped),
+combination (``dspark_plugins_cpu.decoder.ops`` with its projections laid out so),
 compiles each with the plugin's own config (the engine's dtype, 2 threads),
 lists the fused node types OpenVINO made, and times a decode step at each
 batch (past 64 tokens per sequence), the variants interleaved in blocks in
@@ -33,47 +33,34 @@ VARIANTS = {"ours (fused, rank 2, f32)": (False, False, False), "separate projec
 SHOWN = ("FullyConnected", "Split", "QKVProjection", "LLMMLP", "RoPE", "RMS", "PagedAttention")
 
 
-def layer_variant(G: Any, separate: bool, rank3: bool, f16: bool) -> Any:
-    const, rms, rope, paged = G._const, G._rms, G._rope, G._paged_attention
+def variant_ops(spec: Any, separate: bool, rank3: bool, f16: bool) -> Any:
+    """The plugin's own ops (dspark_plugins_cpu.decoder.ops) with the projections laid out another way:
+    separate q/k/v and gate/up matmuls (concatenated back, so the one definition still splits them),
+    rank-3 activations around each projection, f16 weight constants."""
+    from dspark_plugins_cpu.decoder.ops import I64, OpenVINOOps
 
-    def linear(ops: Any, x: Any, w: np.ndarray, bias: np.ndarray | None = None) -> Any:
-        if not f16:
-            return G._linear(ops, x, w, bias)
-        c = ops.convert(ops.constant(np.ascontiguousarray(w.T).astype(np.float16)), "f32")
-        y = ops.matmul(x, c, transpose_a=False, transpose_b=True)
-        return y if bias is None else ops.add(y, const(ops, bias))
+    H, KVH, D, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
 
-    def layer(ops: Any, spec: Any, n: int, L: Any, x: Any, cos: Any, sin: Any, kc: Any, vc: Any, pa: Any) -> Any:
-        H, KVH, D, eps, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps, spec.hidden_size
-        i64 = np.int64
+    class Variant(OpenVINOOps):
+        def _matmul(self, x: Any, w: np.ndarray, bias: np.ndarray | None) -> Any:
+            if f16:
+                c = self.o.convert(self.o.constant(np.ascontiguousarray(w.T).astype(np.float16)), "f32")
+                y = self.o.matmul(x, c, transpose_a=False, transpose_b=True)
+                return y if bias is None else self.o.add(y, self.const(bias))
+            return super().linear(x, w, bias, None, "")
 
-        def in3(h: Any) -> Any:
-            return ops.reshape(h, const(ops, [1, -1, hid], i64), False) if rank3 else h
+        def linear(self, x: Any, weight: np.ndarray, bias: np.ndarray | None, quant: Any, name: str) -> Any:
+            h = self.o.reshape(x, self.const([1, -1, weight.shape[0]], I64), False) if rank3 else x
+            cuts = ([0, H * D, (H + KVH) * D, (H + 2 * KVH) * D] if name.endswith("qkv_proj")
+                    else [0, inter, 2 * inter] if name.endswith("gate_up_proj") else None)
+            if separate and cuts:
+                y = self.o.concat([self._matmul(h, weight[:, a:b], None if bias is None else bias[a:b])
+                                   for a, b in zip(cuts, cuts[1:])], -1)
+            else:
+                y = self._matmul(h, weight, bias)
+            return self.o.reshape(y, self.const([-1, weight.shape[1]], I64), False) if rank3 else y
 
-        h = in3(rms(ops, x, L.in_norm, eps))
-        if separate:
-            cut = [0, H * D, (H + KVH) * D, (H + 2 * KVH) * D]
-            q, k, v = (linear(ops, h, L.qkv[:, cut[i]:cut[i + 1]],
-                              None if L.qkv_bias is None else L.qkv_bias[cut[i]:cut[i + 1]]) for i in range(3))
-        else:
-            q, k, v = ops.variadic_split(linear(ops, h, L.qkv, L.qkv_bias), const(ops, -1, i64),
-                                         const(ops, [H * D, KVH * D, KVH * D], i64)).outputs()
-        q = ops.reshape(rope(ops, ops.reshape(q, const(ops, [-1, H, D], i64), False), cos, sin),
-                        const(ops, [-1, H * D], i64), False)
-        k = ops.reshape(rope(ops, ops.reshape(k, const(ops, [-1, KVH, D], i64), False), cos, sin),
-                        const(ops, [-1, KVH * D], i64), False)
-        v = ops.reshape(v, const(ops, [-1, KVH * D], i64), False)
-        x = ops.add(x, linear(ops, paged(ops, q, k, v, kc, vc, pa, D ** -0.5, KVH, D), L.o, L.o_bias))
-        h = in3(rms(ops, x, L.post_norm, eps))
-        inter = L.down.shape[0]
-        if separate:
-            gate, up = linear(ops, h, L.gate_up[:, :inter]), linear(ops, h, L.gate_up[:, inter:])
-        else:
-            gate, up = ops.split(linear(ops, h, L.gate_up), const(ops, -1, i64), 2).outputs()
-        down = linear(ops, ops.multiply(ops.swish(gate), up), L.down)
-        return ops.add(x, ops.reshape(down, const(ops, [-1, hid], i64), False) if rank3 else down)
-
-    return layer
+    return Variant(spec)
 
 
 def step_request(compiled: Any, batch: int, past: int = 64) -> Any:
@@ -103,28 +90,22 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    from dspark.llm.decoding.spec import make_spec
-    from dspark.llm.engine import LLMEngine
+    from dspark.testing import decoder_spec
     from dspark_plugins_cpu import decoder as D
     from dspark_plugins_cpu import runtime
-    from dspark_plugins_cpu.decoder import graph as G
+    from dspark_plugins_cpu.decoder import ops as O
 
-    engine = LLMEngine.from_model(MODEL, dtype=args.dtype, decoder="torch")
-    spec = make_spec(engine.runner, MODEL)
-    layers = engine.runner.cfg.num_hidden_layers
+    spec = decoder_spec(MODEL, args.dtype)
+    layers = spec.num_layers
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": D._OV_TYPES[spec.dtype],
               "KV_CACHE_PRECISION": D._OV_TYPES[spec.dtype], "INFERENCE_NUM_THREADS": 2}
-    ours = G._layer
     compiled: dict[str, Any] = {}
-    try:
-        for name, flags in VARIANTS.items():
-            G._layer = layer_variant(G, *flags)
-            compiled[name] = runtime.core().compile_model(G.build(spec, (0, layers), head=True), "CPU", config)
-            ops = collections.Counter(str(op.get_rt_info()["layerType"].astype(str))
-                                      for op in compiled[name].get_runtime_model().get_ordered_ops())
-            print(f"{name}: " + ", ".join(f"{k} {ops[k]}" for k in SHOWN if ops[k]), flush=True)
-    finally:
-        G._layer = ours
+    for name, flags in VARIANTS.items():
+        model = O.build(spec, (0, layers), head=True, ops=variant_ops(spec, *flags))
+        compiled[name] = runtime.core().compile_model(model, "CPU", config)
+        ops = collections.Counter(str(op.get_rt_info()["layerType"].astype(str))
+                                  for op in compiled[name].get_runtime_model().get_ordered_ops())
+        print(f"{name}: " + ", ".join(f"{k} {ops[k]}" for k in SHOWN if ops[k]), flush=True)
     for batch in (int(b) for b in args.batch.split(",")):
         reqs = {k: step_request(c, batch) for k, c in compiled.items()}
         ms: dict[str, list[float]] = {k: [] for k in reqs}

@@ -1,4 +1,8 @@
-"""The cpu plugin's whole decoder: OpenVINO's paged attention, driven with the engine's block tables.
+"""The cpu plugin's whole decoder: dspark's one decoder definition lowered to OpenVINO, on its paged attention.
+
+The model is :func:`dspark.sdk.family.forward`; :mod:`.ops` supplies its ops as
+OpenVINO nodes, so every family the definition expresses runs here and an op
+variant OpenVINO lacks (the attention soft-cap) is declined by name.
 
 One compiled model per layer range (and one more per early exit the engine asks
 for, built on first use), all sharing the same per-layer KV tensors. The KV
@@ -16,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dspark.sdk.decoder import StepBatch
+from dspark.sdk.family import decline
 from dspark.types import DecoderBid
 from dspark_plugins_cpu import runtime
-from dspark_plugins_cpu.decoder import graph as decoder_graph
+from dspark_plugins_cpu.decoder import ops as decoder_ops
 
 if TYPE_CHECKING:
     from dspark.sdk.decoder import DecoderSpec
@@ -34,10 +39,8 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
     if not ov_name.startswith("CPU"):
         return None  # the paged-attention operation is a CPU (and GPU-plugin) kernel; only the CPU is checked here
     base = {"device_id": device.id, "runtime": device.runtime, "runtime_version": runtime.version()}
-    why = spec.unsupported(decoder_graph.SUPPORTED)
+    why = decline(spec, decoder_ops.OpenVINOOps.variants)
     bits = {q.weight_bits for q in (spec.quantization or {}).values()}
-    if why is None and not bits <= {8, 4}:
-        why = f"compresses weights to 8 or 4 bits only, not {sorted(bits - {8, 4})}"
     if why is None and spec.dtype not in _OV_TYPES:
         why = f"computes in float32, bfloat16 or float16, not {spec.dtype}"
     if why is None and spec.dtype != "float32" and spec.dtype not in device.dtypes:
@@ -55,7 +58,7 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
                       weight_bytes=int((n * per_layer + edges) * item),
                       kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * _BYTES[spec.dtype],
                       exit_layers=a == 0,
-                      note="OpenVINO PagedAttentionExtension, graph built from the spec's weights"
+                      note="dspark.sdk.family.forward as OpenVINO nodes, on PagedAttentionExtension"
                       + (", weights compressed as the plan says" if bits else ""))
 
 
@@ -81,7 +84,7 @@ class OpenVINODecoder:
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
 
     def _compile(self, layers: tuple[int, int], head: bool) -> Any:
-        model = decoder_graph.build(self.spec, layers, head=head)
+        model = decoder_ops.build(self.spec, layers, head=head)
         return runtime.core().compile_model(model, self.ov_name, self.config)
 
     def allocate(self, num_blocks: int) -> list[tuple[Any, Any]]:

@@ -283,21 +283,39 @@ def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None
     assert got == ref
 
 
-def test_a_feature_the_plugin_lacks_is_declined_with_the_reason(checkpoint: Any) -> None:
-    import json as _json
+@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "smollm3", "phi4_mini", "qwen3_sliding_yarn"])
+def test_every_family_the_definition_expresses_runs_on_the_target(tmp_path: Any, variant: str) -> None:
+    """Sliding windows, Gemma 3's local RoPE and sandwich norms, RoPE-less layers, partial rotary, YaRN: one
+    definition (dspark.sdk.family) lowered to OpenVINO, the torch runner's greedy tokens through the engine."""
+    from dspark.testing import tiny_checkpoint
 
-    path = checkpoint("mistral")
-    cfg = _json.loads((path / "config.json").read_text())
-    cfg["sliding_window"] = 8
-    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
-    (path.parent / "sw").mkdir(exist_ok=True)
-    for f in path.iterdir():
-        (path.parent / "sw" / f.name).write_bytes(f.read_bytes())
-    (path.parent / "sw" / "config.json").write_text(_json.dumps(cfg))
-    e = LLMEngine.from_model(path.parent / "sw", dtype="float32", decoder="cpu")
+    path = tiny_checkpoint(tmp_path / variant, variant)
+    prompts = [[5, 9, 13, 2, 7] * 4, [11, 3, 8], list(range(30, 60))]
+
+    def run(decoder: str) -> tuple[list[list[int]], LLMEngine]:
+        e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, max_batch_size=4, max_num_batched_tokens=16)
+        for i, p in enumerate(prompts):
+            e.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+        return [out[str(i)] for i in range(len(prompts))], e
+
+    ref, _ = run("torch")
+    got, e = run("cpu")
+    assert e.stats().decoder == "cpu@cpu", e.decoder_choice
+    assert got == ref
+
+
+def test_an_op_variant_the_plugin_lacks_is_declined_naming_it(tmp_path: Any) -> None:
+    from dspark.testing import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "gemma2", "gemma2")  # OpenVINO's paged attention has no soft-cap
+    e = LLMEngine.from_model(path, dtype="float32", decoder="cpu")
     c = e.decoder_choice
     assert c is not None and c.chosen == "torch" and e.stats().decoder == "torch"
-    assert any(d["label"] == "cpu@cpu" and "sliding_window" in d["reason"] for d in c.declined), c.declined
+    reason = next(d["reason"] for d in c.declined if d["label"] == "cpu@cpu")
+    assert "attention.softcap" in reason and "gemma2" in reason, reason
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

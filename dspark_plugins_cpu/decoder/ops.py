@@ -1,0 +1,212 @@
+"""The ops of dspark's one decoder definition (:func:`dspark.sdk.family.forward`) as OpenVINO nodes.
+
+``forward`` runs once per compiled range and these ops build its graph, in the
+patterns OpenVINO's CPU plugin fuses: embedding ``Gather``, RMSNorm as
+``RMSFusion`` recognises it, projections as ``MatMul`` on ``[out, in]`` weights
+(``transpose_b``, the fully-connected layout) or the weight-compression pattern
+for int8/int4, rotate-half RoPE written with ``Slice`` and a multiply by -1 (one
+fused RoPE node), one ``PagedAttentionExtension`` per layer (the node OpenVINO
+GenAI's graphs use; its KV inputs ``key_cache.N``/``value_cache.N`` the caller
+allocates), and the head over only the rows in ``logit_rows``. Inputs follow
+:class:`dspark.sdk.decoder.StepBatch`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dspark.sdk.family import Attention, forward
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+    from dspark.sdk.decoder import DecoderSpec
+    from dspark.types import QuantSpec
+
+PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
+I64 = np.int64
+
+
+class OpenVINOOps:
+    """:class:`dspark.sdk.family.DecoderOps` that build an OpenVINO graph (``openvino.opset13`` nodes)."""
+
+    # PagedAttentionExtension has no soft-cap input: Gemma 2's attention cap is declined, naming it.
+    variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "rope.partial",
+                          "softcap", "linear.int8", "linear.int4", "embed.int8"})
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        import openvino as ov
+        import openvino.opset13 as ops
+
+        self.ov, self.o, self.spec = ov, ops, spec
+        self.params: list[Any] = []
+        self._inputs: dict[str, Any] = {}
+        self._tables: dict[int, tuple[Any, Any]] = {}
+
+    # -- graph inputs ---------------------------------------------------------------------------
+
+    def param(self, name: str, shape: list[int], t: Any) -> Any:
+        if name not in self._inputs:
+            p = self.o.parameter(self.ov.PartialShape(shape), t, name=name)
+            p.output(0).get_tensor().set_names({name})
+            self.params.append(p)
+            self._inputs[name] = p
+        return self._inputs[name]
+
+    def const(self, a: Any, dtype: Any = np.float32) -> Any:
+        return self.o.constant(np.asarray(a, dtype=dtype))
+
+    def _positions(self) -> Any:
+        return self.param("position_ids", [-1], self.ov.Type.i64)
+
+    def _pa(self) -> dict[str, Any]:
+        pa = {n: self.param(n, [-1], self.ov.Type.i32) for n in PA_INPUTS}
+        pa["max_context_len"] = self.param("max_context_len", [], self.ov.Type.i32)
+        return pa
+
+    # -- the ops --------------------------------------------------------------------------------
+
+    def tokens(self, table: np.ndarray, quant: QuantSpec | None) -> Any:
+        ids = self.param("input_ids", [-1], self.ov.Type.i64)
+        self._positions()  # every range takes positions, in the same order as before
+        if quant is None:
+            return self.o.gather(self.const(table), ids, self.const(0, I64))
+        from dspark.sdk import quantize_weight
+
+        qe = quantize_weight(np.asarray(table.T, dtype=np.float32), quant)  # [hidden, vocab], scales [1, vocab]
+        rows = self.o.gather(self.o.constant(np.ascontiguousarray(qe.data.T), dtype=self.ov.Type.i8), ids,
+                             self.const(0, I64))
+        scale = self.o.gather(self.const(np.ascontiguousarray(qe.scales.T)), ids, self.const(0, I64))
+        return self.o.multiply(self.o.convert(rows, "f32"), scale)
+
+    def hidden_in(self) -> Any:
+        self._positions()
+        return self.param("hidden", [-1, self.spec.hidden_size], self.ov.Type.f32)
+
+    def scale(self, x: Any, factor: float) -> Any:
+        return self.o.multiply(x, self.const(factor))
+
+    def rms_norm(self, x: Any, weight: np.ndarray, eps: float) -> Any:
+        # x / sqrt(mean(x^2) + eps) * w, the shape OpenVINO fuses into its RMS kernel.
+        o = self.o
+        var = o.reduce_mean(o.power(x, self.const(2.0)), self.const([-1], I64), keep_dims=True)
+        return o.multiply(o.divide(x, o.sqrt(o.add(var, self.const(eps)))), self.const(weight))
+
+    def _compressed(self, w: np.ndarray, q: QuantSpec) -> Any:
+        """``w`` [in, out] quantized as the canonical rounding does (dspark.sdk.quant), as the weight-compression
+        pattern OpenVINO's CPU plugin runs natively: int8/int4 constant -> Convert -> Multiply(scales), [out, in]."""
+        from dspark.sdk import quantize_weight, unpack_int4
+
+        o, ov = self.o, self.ov
+        qw = quantize_weight(np.asarray(w, dtype=np.float32), q)
+        k, n = qw.shape
+        vals = unpack_int4(qw.data, k) if qw.bits == 4 else qw.data  # int8 [K, N]
+        g, groups = qw.group_size, qw.scales.shape[0]
+        kind = ov.Type.i8 if qw.bits == 8 else ov.Type.i4
+        if groups == 1:
+            c = o.constant(np.ascontiguousarray(vals.T), dtype=kind)
+            return o.multiply(o.convert(c, "f32"), self.const(np.ascontiguousarray(qw.scales.T)))
+        padded = np.zeros((groups * g, n), dtype=np.int8)
+        padded[:k] = vals
+        blocks = np.ascontiguousarray(padded.reshape(groups, g, n).transpose(2, 0, 1))  # [out, groups, g]
+        deq = o.multiply(o.convert(o.constant(blocks, dtype=kind), "f32"),
+                         self.const(np.ascontiguousarray(qw.scales.T)[:, :, None]))
+        flat = o.reshape(deq, self.const([n, groups * g], I64), False)
+        if groups * g != k:
+            flat = o.slice(flat, self.const([0], I64), self.const([k], I64), self.const([1], I64),
+                           self.const([1], I64))
+        return flat
+
+    def linear(self, x: Any, weight: np.ndarray, bias: np.ndarray | None, quant: QuantSpec | None,
+               name: str) -> Any:
+        # [out, in] (the fully-connected layout OpenVINO's CPU plugin packs), or compressed per quant.
+        w = self.const(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
+        y = self.o.matmul(x, w, transpose_a=False, transpose_b=True)
+        return y if bias is None else self.o.add(y, self.const(bias))
+
+    def split(self, x: Any, sizes: list[int]) -> list[Any]:
+        if len(set(sizes)) == 1:  # an even split, as the gate/up MLP fusion matches it
+            return list(self.o.split(x, self.const(-1, I64), len(sizes)).outputs())
+        return list(self.o.variadic_split(x, self.const(-1, I64), self.const(sizes, I64)).outputs())
+
+    def heads(self, x: Any, num: int, dim: int) -> Any:
+        return self.o.reshape(x, self.const([-1, num, dim], I64), False)
+
+    def _table(self, index: int) -> tuple[Any, Any]:
+        """cos and sin [T, 1, rotary] of the rows' positions, gathered once per table and shared by the layers."""
+        if index not in self._tables:
+            cos_t, sin_t = self.spec.rope_at(index, self.spec.max_position_embeddings)
+            pos, axis0 = self._positions(), self.const(0, I64)
+            cos = self.o.unsqueeze(self.o.gather(self.const(cos_t), pos, axis0), self.const(1, I64))
+            sin = self.o.unsqueeze(self.o.gather(self.const(sin_t), pos, axis0), self.const(1, I64))
+            self._tables[index] = (cos, sin)
+        return self._tables[index]
+
+    def _cut(self, x: Any, start: int, stop: int) -> Any:
+        return self.o.slice(x, self.const([start], I64), self.const([stop], I64), self.const([1], I64),
+                            self.const([2], I64))
+
+    def rope(self, x: Any, table: int) -> Any:
+        # x * cos + rotate_half(x) * sin, written with Slice and a multiply by -1: the form OpenVINO's RoPE
+        # fusion matches (one fused node instead of six ops).
+        cos, sin = self._table(table)
+        d = x.get_output_partial_shape(0)[2].get_length()
+        rd = self.spec.rotary
+        part = x if rd == d else self._cut(x, 0, rd)
+        half = rd // 2
+        rot = self.o.concat([self.o.multiply(self._cut(part, half, rd), self.const(-1.0)), self._cut(part, 0, half)],
+                            -1)
+        out = self.o.add(self.o.multiply(part, cos), self.o.multiply(rot, sin))
+        return out if rd == d else self.o.concat([out, self._cut(x, rd, d)], -1)
+
+    def attention(self, q: Any, k: Any, v: Any, spec: Attention) -> Any:
+        """The 28-input PagedAttentionExtension of OpenVINO 2026.4, with the optional inputs empty as
+        ``paged_attention_transformation`` leaves them (checked against a transformed export)."""
+        from openvino._pyopenvino.op import _PagedAttentionExtension
+
+        H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        flat = [self.o.reshape(t, self.const([-1, n * D], I64), False) for t, n in ((q, H), (k, KVH), (v, KVH))]
+        kc = self.param(f"key_cache.{spec.layer}", [-1, -1, -1, -1], self.ov.Type.dynamic)
+        vc = self.param(f"value_cache.{spec.layer}", [-1, -1, -1, -1], self.ov.Type.dynamic)
+        pa = self._pa()
+        i32, f32 = np.int32, np.float32
+        empty_i, empty_f = self.const(np.zeros(0, i32), i32), self.const(np.zeros(0, f32))
+        args = [*flat, kc, vc, *(pa[n] for n in PA_INPUTS),
+                self.const(spec.scale), self.const(spec.window or 0, i32), empty_f, pa["max_context_len"],
+                empty_i, empty_i, empty_i, empty_f, empty_f, self.const(0, i32), self.const(0, i32),
+                self.const(np.zeros((0, 0, 0, 0), f32)), self.const(0, i32), empty_i, empty_i, empty_i, empty_i,
+                self.const(np.zeros(0, np.uint8), np.uint8), empty_i]
+        node = _PagedAttentionExtension([a.output(0) if hasattr(a, "output") else a for a in args])
+        # The CPU plugin sizes its cache layout from these (the transformation sets them the same way).
+        for key, value in (("num_k_heads", KVH), ("k_head_size", D), ("num_v_heads", KVH), ("v_head_size", D)):
+            node.get_rt_info()[key] = value
+        return node.output(0)
+
+    def activation(self, x: Any, kind: str) -> Any:
+        if kind == "silu":
+            return self.o.swish(x)
+        return self.o.gelu(x, approximation_mode="tanh" if kind == "gelu_tanh" else "erf")
+
+    def mul(self, a: Any, b: Any) -> Any:
+        return self.o.multiply(a, b)
+
+    def add(self, a: Any, b: Any) -> Any:
+        return self.o.add(a, b)
+
+    def logit_rows(self, x: Any) -> Any:
+        return self.o.gather(x, self.param("logit_rows", [-1], self.ov.Type.i64), self.const(0, I64))
+
+    def softcap(self, x: Any, cap: float) -> Any:
+        return self.o.multiply(self.o.tanh(self.o.divide(x, self.const(cap))), self.const(cap))
+
+
+def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVINOOps | None = None) -> ov.Model:
+    """Layers ``[a, b)`` of the model as an OpenVINO model; ``head``: end in the final norm and head over
+    ``logit_rows`` (the last layer of the model, or an early exit), else return the hidden state."""
+    ops = ops or OpenVINOOps(spec)
+    out = forward(spec, ops, layers, head=head)
+    res = ops.o.result(out)
+    res.output(0).get_tensor().set_names({"logits" if head else "hidden"})
+    return ops.ov.Model([res], ops.params, f"{spec.name}-layers-{layers[0]}-{layers[1]}")
