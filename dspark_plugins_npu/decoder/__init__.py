@@ -30,12 +30,11 @@ from typing import Any
 import numpy as np
 
 from dspark.sdk import decoder as dec
+from dspark.sdk.family import decline
 from dspark.types import DecoderBid, Device
 from dspark_plugins_npu import providers, session
 from dspark_plugins_npu.decoder import graph as dg
 
-# Beyond a plain Llama decoder, what the graph implements (dspark.sdk.decoder.FEATURES).
-SUPPORTED = frozenset({"qkv_bias", "o_bias", "qk_norm"})
 DEFAULT_BLOCK_SIZE = 16
 _F32 = 4
 
@@ -51,6 +50,7 @@ def weight_bytes(spec: dec.DecoderSpec) -> int:
     per_layer += qkv if "qkv_bias" in spec.features else 0
     per_layer += hid if "o_bias" in spec.features else 0
     per_layer += 2 * D if "qk_norm" in spec.features else 0
+    per_layer += 2 * hid if "gemma" in spec.features else 0  # Gemma's norms of the attention and MLP outputs
     n = (spec.layers[1] - spec.layers[0]) * per_layer
     n += spec.vocab_size * hid if spec.first else 0
     # The head also serves early exits, which a range starting at layer 0 may run.
@@ -67,10 +67,7 @@ def why_not(spec: dec.DecoderSpec, ep: str) -> str | None:
     if ep != providers.CPU_EP:
         return (f"GroupQueryAttention in float32 runs on {providers.CPU_EP} only "
                 f"(not {ep}: CUDA's kernel is float16/bfloat16, other EPs do not claim it)")
-    if spec.quantization is not None:
-        kinds = ", ".join(sorted({f"int{q.weight_bits}" for q in spec.quantization.values()}))
-        return f"quantized weights ({kinds}) are not implemented: this decoder runs float32 weights"
-    return spec.unsupported(SUPPORTED)
+    return decline(spec, dg.OnnxOps.variants)
 
 
 def decoder_bid(spec: dec.DecoderSpec, device: Device) -> DecoderBid | None:
@@ -121,12 +118,14 @@ class _Session:
             raise session.EpUnusable(f"a decoder session asked for {ep} fell back to {self.sess.get_providers()}")
         self.num_layers = built.num_layers
         self.head = built.head
+        self.input_names = frozenset(i.name for i in self.sess.get_inputs())  # an exit may use fewer RoPE tables
         self.outputs = [dg.LOGITS if built.head else dg.HIDDEN_OUT, dg.K_NEW, dg.V_NEW]
         self._weights = built.weights  # keeps the arrays the OrtValues point into alive
         self._run_options = rt.RunOptions()
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return list(self.sess.run(self.outputs, feeds, self._run_options))
+        fed = {k: v for k, v in feeds.items() if k in self.input_names}
+        return list(self.sess.run(self.outputs, fed, self._run_options))
 
 
 # Sessions per (model, range, exit, provider): the hook may compile the same spec more than once
@@ -199,7 +198,8 @@ class OrtDecoder:
         self._lock = threading.Lock()
         self._exits: dict[int, _Session] = {}
         self._main = _shared_session(spec, self._weights, None, ep, index)
-        self._cos = self._sin = np.zeros((0, spec.head_dim), np.float32)
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # RoPE table -> cos, sin (grown by doubling)
+        self._rope_tables = sorted({t for t in (spec.layer_rope or (0,)) if t is not None})
 
     def allocate(self, num_blocks: int) -> OrtKV:
         s = self.spec
@@ -218,14 +218,16 @@ class OrtDecoder:
                                                           self._index)
             return self._exits[exit_layer]
 
-    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin rows for ``positions``; the table grows by doubling as contexts get longer."""
+    def _rope(self, index: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin rows of RoPE table ``index`` for ``positions``; a table grows by doubling as contexts do."""
         need = int(positions.max()) + 1 if positions.size else 1
-        if need > len(self._cos):
+        cos, sin = self._tables.get(index, (np.zeros((0, 0), np.float32),) * 2)
+        if need > len(cos):
             n = max(256, 1 << (need - 1).bit_length())
-            cos, sin = self.spec.rope(n)
-            self._cos, self._sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
-        return self._cos[positions], self._sin[positions]
+            c, s = self.spec.rope_at(index, n)
+            cos, sin = np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
+            self._tables[index] = (cos, sin)
+        return cos[positions], sin[positions]
 
     def step(self, kv: OrtKV, batch: dec.StepBatch) -> np.ndarray:
         sess = self._session(batch.exit_layer)
@@ -245,7 +247,10 @@ class OrtDecoder:
         take = np.where(real, rows, 0)  # padding rows compute on row 0's inputs; their outputs are dropped
         feeds = kv.feeds(sess.num_layers)
         past = batch.past_lens[run.seqs].astype(np.int64)
-        feeds[dg.COS], feeds[dg.SIN] = self._rope(np.where(real, batch.positions[take], 0))
+        pos = np.where(real, batch.positions[take], 0)
+        for t in self._rope_tables:
+            c, s = (dg.COS, dg.SIN) if t == 0 else (f"{dg.COS}.{t}", f"{dg.SIN}.{t}")
+            feeds[c], feeds[s] = self._rope(t, pos)
         feeds[dg.TABLE] = _past_table(batch, run.seqs, past, kv.block_size)
         feeds[dg.PAST_MAX] = np.array([past.max()], np.int64)
         if run.first_prompt:  # lengths of right-padded prompts; the step's query length is the total

@@ -1,4 +1,7 @@
-"""The LLM decoder (or a range of its layers) as one ONNX graph for ONNX Runtime (plugin API 1.6).
+"""The LLM decoder (or a range of its layers) as one ONNX graph for ONNX Runtime (plugin API 1.10).
+
+The model is :func:`dspark.sdk.family.forward`, dspark's one decoder definition;
+:class:`OnnxOps` writes its ops as ONNX nodes.
 
 One graph runs every layer of a group of sequences that share a query shape
 ``[B, S]`` (a batch of decode rows, right-padded first prompts, or one chunk
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from dspark.sdk import decoder as dec
+from dspark.sdk.family import Attention, forward
 
 OPSET = 17
 MS = "com.microsoft"
@@ -114,6 +118,146 @@ class _Builder:
         return y if bias is None else self.op1("Add", [y, self.weight(name + ".bias", bias)])
 
 
+class OnnxOps:
+    """:class:`dspark.sdk.family.DecoderOps` writing ONNX nodes into a :class:`_Builder`.
+
+    Attention is ``com.microsoft.GroupQueryAttention`` over each sequence's past, gathered from the
+    paged blocks inside the graph; the rows' new K/V (after RoPE) are kept per layer and come out
+    stacked for the host to write into the blocks. cos/sin rows are inputs (``cos``/``sin``, and
+    ``cos.N``/``sin.N`` for a second table), fed by the host for the rows' positions.
+    """
+
+    # Gelu/FastGelu are ONNX Runtime's contrib kernels; GQA has local_window_size and softcap attributes.
+    variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "attention.softcap",
+                          "rope.partial", "softcap"})
+
+    def __init__(self, spec: dec.DecoderSpec, g: _Builder) -> None:
+        from onnx import TensorProto, helper
+
+        self.spec, self.g, self.helper, self.tp = spec, g, helper, TensorProto
+        self.inputs: dict[str, Any] = {}
+        self.ks: list[str] = []
+        self.vs: list[str] = []
+        self._ctx: _Ctx | None = None
+        self._tables: dict[int, tuple[str, str]] = {}
+        self._adds: dict[str, int] = {}  # output of an Add -> its node's index (fused into the norm after it)
+
+    def input(self, name: str, elem: int, shape: list[Any]) -> str:
+        if name not in self.inputs:
+            self.inputs[name] = self.helper.make_tensor_value_info(name, elem, shape)
+        return name
+
+    def fconst(self, name: str, value: float) -> str:
+        return self.g.weight(name, np.asarray(value, dtype=np.float32))
+
+    def ctx(self) -> _Ctx:
+        if self._ctx is None:
+            F, I64, I32 = self.tp.FLOAT, self.tp.INT64, self.tp.INT32
+            self.input(TABLE, I64, ["B", "NB"])
+            self.input(PAST_MAX, I64, [1])
+            self.input(SEQLENS, I32, ["B"])
+            self.input(TOTAL, I32, [])
+            self.input(k_cache(0), F, ["blocks", "block_size", self.spec.num_kv_heads, self.spec.head_dim])
+            self._ctx = _step_shapes(self.g, self.spec)
+        return self._ctx
+
+    def tokens(self, table: np.ndarray, quant: Any) -> str:
+        assert quant is None, "the npu decoder declines quantized plans"
+        return self.g.op1("Gather", [self.g.weight("embed", table), self.input(IDS, self.tp.INT64, ["N"])])
+
+    def hidden_in(self) -> str:
+        return self.input(HIDDEN_IN, self.tp.FLOAT, ["N", self.spec.hidden_size])
+
+    def scale(self, x: str, factor: float) -> str:
+        return self.g.op1("Mul", [x, self.fconst(f"scale_{self.g.n}", factor)])
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float) -> str:
+        w = self.g.weight(f"norm_{self.g.n}", weight)
+        if x in self._adds:  # residual add and the norm after it in one kernel: outputs 0 (normed) and 3 (the sum)
+            i = self._adds.pop(x)
+            a, b = self.g.nodes[i].input
+            normed = f"skipnorm_{i}"
+            self.g.nodes[i] = self.helper.make_node("SkipSimplifiedLayerNormalization", [a, b, w], [normed, "", "", x],
+                                                    name=f"SkipNorm_{i}", domain=MS, epsilon=eps)
+            return normed
+        return self.g.op1("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=eps)
+
+    def linear(self, x: str, weight: np.ndarray, bias: np.ndarray | None, quant: Any, name: str) -> str:
+        assert quant is None, "the npu decoder declines quantized plans"
+        return self.g.linear(x, weight, name, bias)
+
+    def split(self, x: str, sizes: list[int]) -> list[str]:
+        return self.g.op("Split", [x, self.g.const(f"split_{'_'.join(map(str, sizes))}", sizes)], len(sizes), axis=-1)
+
+    def heads(self, x: str, num: int, dim: int) -> str:
+        return self.g.op1("Reshape", [x, self.g.const(f"heads_{num}_{dim}", [0, num, dim])])
+
+    def _table(self, index: int) -> tuple[str, str]:
+        if index not in self._tables:
+            c, s = (COS, SIN) if index == 0 else (f"{COS}.{index}", f"{SIN}.{index}")
+            r = self.spec.rotary
+            for n in (c, s):
+                self.input(n, self.tp.FLOAT, ["N", r])
+            axis1 = self.g.const("axis1", [1])
+            self._tables[index] = (self.g.op1("Unsqueeze", [c, axis1]), self.g.op1("Unsqueeze", [s, axis1]))
+        return self._tables[index]
+
+    def rope(self, x: str, table: int) -> str:
+        """Rotate-half RoPE on [N, heads, D] over the first ``spec.rotary`` dims, as transformers'."""
+        cos, sin = self._table(table)
+        D, rd = self.spec.head_dim, self.spec.rotary
+        part, rest = (x, None) if rd == D else self.g.op("Split", [x, self.g.const(f"rot_{rd}_{D}", [rd, D - rd])],
+                                                         2, axis=-1)
+        x1, x2 = self.g.op("Split", [part, self.g.const(f"halves_{rd}", [rd // 2, rd // 2])], 2, axis=-1)
+        rot = self.g.op1("Concat", [self.g.op1("Neg", [x2]), x1], axis=-1)
+        out = self.g.op1("Add", [self.g.op1("Mul", [part, cos]), self.g.op1("Mul", [rot, sin])])
+        return out if rest is None else self.g.op1("Concat", [out, rest], axis=-1)
+
+    def _past(self, cache: str) -> str:
+        """The sequences' cached positions as GQA's BNSH past, gathered from the blocks."""
+        return self.g.op1("Transpose", [self.g.op1("GatherND", [cache, self.ctx().slots])], perm=[0, 2, 1, 3])
+
+    def attention(self, q: str, k: str, v: str, spec: Attention) -> str:
+        ctx, g = self.ctx(), self.g
+        i = spec.layer - self.spec.layers[0]
+        F, KVH, D = self.tp.FLOAT, spec.num_kv_heads, spec.head_dim
+        kc = self.input(k_cache(i), F, ["blocks", "block_size", KVH, D])
+        vc = self.input(v_cache(i), F, ["blocks", "block_size", KVH, D])
+        self.ks.append(g.op1("Unsqueeze", [k, g.const("axis0", [0])]))
+        self.vs.append(g.op1("Unsqueeze", [v, g.const("axis0", [0])]))
+        extra: dict[str, Any] = {}
+        if spec.window is not None:  # GQA sees the row itself and the positions before it, local_window_size in all
+            extra["local_window_size"] = spec.window
+        if spec.softcap is not None:
+            extra["softcap"] = float(spec.softcap)
+        # present_key/value must be named: without them the CPU kernel attends over an unfilled buffer.
+        attn = g.op("GroupQueryAttention", [
+            g.op1("Reshape", [q, ctx.q3]), g.op1("Reshape", [k, ctx.kv3]), g.op1("Reshape", [v, ctx.kv3]),
+            self._past(kc), self._past(vc), SEQLENS, TOTAL], 3, domain=MS, num_heads=spec.num_heads,
+            kv_num_heads=KVH, scale=float(spec.scale), **extra)[0]
+        return g.op1("Reshape", [attn, g.const(f"flat_{spec.num_heads * D}", [-1, spec.num_heads * D])])
+
+    def activation(self, x: str, kind: str) -> str:
+        if kind == "silu":
+            return self.g.op1("Mul", [x, self.g.op1("Sigmoid", [x])])
+        return self.g.op1("FastGelu" if kind == "gelu_tanh" else "Gelu", [x], domain=MS)
+
+    def mul(self, a: str, b: str) -> str:
+        return self.g.op1("Mul", [a, b])
+
+    def add(self, a: str, b: str) -> str:
+        out = self.g.op1("Add", [a, b])
+        self._adds[out] = len(self.g.nodes) - 1
+        return out
+
+    def logit_rows(self, x: str) -> str:
+        return self.g.op1("Gather", [x, self.input(ROWS, self.tp.INT64, ["R"])])
+
+    def softcap(self, x: str, cap: float) -> str:
+        c = self.fconst(f"cap_{self.g.n}", cap)
+        return self.g.op1("Mul", [self.g.op1("Tanh", [self.g.op1("Div", [x, c])]), c])
+
+
 def build(spec: dec.DecoderSpec, weights: dec.DecoderWeights, stop: int | None = None) -> Built:
     """The graph of ``spec.layers`` (or of its layers up to ``stop``, an early exit, then the head)."""
     from onnx import TensorProto, helper
@@ -124,43 +268,18 @@ def build(spec: dec.DecoderSpec, weights: dec.DecoderWeights, stop: int | None =
         raise ValueError(f"layers [{a}, {end}) are not a non-empty part of the range {spec.layers}")
     head = stop is not None or spec.last
     g = _Builder()
-    F, I64, I32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    KVH, D, hid = spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    inputs = [helper.make_tensor_value_info(COS, F, ["N", D]), helper.make_tensor_value_info(SIN, F, ["N", D]),
-              helper.make_tensor_value_info(TABLE, I64, ["B", "NB"]), helper.make_tensor_value_info(PAST_MAX, I64, [1]),
-              helper.make_tensor_value_info(SEQLENS, I32, ["B"]), helper.make_tensor_value_info(TOTAL, I32, [])]
-    if spec.first:
-        inputs.insert(0, helper.make_tensor_value_info(IDS, I64, ["N"]))
-        x = g.op1("Gather", [g.weight("embed", weights.embed), IDS])
-    else:
-        inputs.insert(0, helper.make_tensor_value_info(HIDDEN_IN, F, ["N", hid]))
-        x = HIDDEN_IN
-    if head:
-        inputs.append(helper.make_tensor_value_info(ROWS, I64, ["R"]))
-    ctx = _step_shapes(g, spec)
-    ks, vs = [], []
-    for li in range(a, end):
-        i = li - a
-        inputs += [helper.make_tensor_value_info(k_cache(i), F, ["blocks", "block_size", KVH, D]),
-                   helper.make_tensor_value_info(v_cache(i), F, ["blocks", "block_size", KVH, D])]
-        x, k, v = _layer(g, spec, weights.layers[li], f"l{li}", x, ctx, k_cache(i), v_cache(i))
-        ks.append(g.op1("Unsqueeze", [k, g.const("axis0", [0])]))
-        vs.append(g.op1("Unsqueeze", [v, g.const("axis0", [0])]))
-    g.nodes.append(helper.make_node("Concat", ks, [K_NEW], axis=0) if len(ks) > 1
-                   else helper.make_node("Identity", ks, [K_NEW]))
-    g.nodes.append(helper.make_node("Concat", vs, [V_NEW], axis=0) if len(vs) > 1
-                   else helper.make_node("Identity", vs, [V_NEW]))
+    ops = OnnxOps(spec, g)
+    y = forward(spec, ops, (a, end), head=head, weights=weights)
+    F, KVH, D = TensorProto.FLOAT, spec.num_kv_heads, spec.head_dim
+    for name, parts in ((K_NEW, ops.ks), (V_NEW, ops.vs)):
+        g.nodes.append(helper.make_node("Concat", parts, [name], axis=0) if len(parts) > 1
+                       else helper.make_node("Identity", parts, [name]))
     kv_out = [helper.make_tensor_value_info(n, F, [end - a, "N", KVH, D]) for n in (K_NEW, V_NEW)]
-    if head:
-        rows = g.op1("Gather", [x, ROWS])  # only the rows whose logits are wanted meet the head
-        hn = g.op1("SimplifiedLayerNormalization", [rows, g.weight("norm", weights.norm)], axis=-1,
-                   epsilon=spec.rms_norm_eps)
-        g.nodes.append(helper.make_node("MatMul", [hn, g.weight("head", weights.head)], [LOGITS]))
-        outputs = [helper.make_tensor_value_info(LOGITS, F, ["R", spec.vocab_size])]
-    else:
-        g.nodes.append(helper.make_node("Identity", [x], [HIDDEN_OUT]))
-        outputs = [helper.make_tensor_value_info(HIDDEN_OUT, F, ["N", hid])]
-    graph = helper.make_graph(g.nodes, f"dspark_decoder_{a}_{end}", inputs, outputs + kv_out, initializer=g.inits)
+    name, shape = (LOGITS, ["R", spec.vocab_size]) if head else (HIDDEN_OUT, ["N", spec.hidden_size])
+    g.nodes.append(helper.make_node("Identity", [y], [name]))
+    outputs = [helper.make_tensor_value_info(name, F, shape)]
+    graph = helper.make_graph(g.nodes, f"dspark_decoder_{a}_{end}", list(ops.inputs.values()), outputs + kv_out,
+                              initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                               producer_name="dspark", ir_version=IR_VERSION)
     return Built(model=model, weights=g.weights, num_layers=end - a, head=head)
@@ -173,8 +292,6 @@ class _Ctx:
     q3: str  # [B, -1, H*D]: GQA's query layout
     kv3: str  # [B, -1, KVH*D]
     slots: str  # [B, P, 2]: (block, offset) of each sequence's past positions, P the longest past
-    cos: str  # [N, 1, D]
-    sin: str
 
 
 def _step_shapes(g: _Builder, spec: dec.DecoderSpec) -> _Ctx:
@@ -193,51 +310,4 @@ def _step_shapes(g: _Builder, spec: dec.DecoderSpec) -> _Ctx:
                             g.op1("Unsqueeze", [g.op1("Expand", [offs, grid]), g.const("axis3", [3])])], axis=3)
     flat = g.op1("Reshape", [pair, g.op1("Concat", [batch, g.const("pair_tail", [-1, 2])], axis=0)])
     slots = g.op1("Slice", [flat, g.const("zero1", [0]), PAST_MAX, g.const("axis1", [1])])
-    cos = g.op1("Unsqueeze", [COS, g.const("axis1", [1])])
-    sin = g.op1("Unsqueeze", [SIN, g.const("axis1", [1])])
-    return _Ctx(q3, kv3, slots, cos, sin)
-
-
-def _rope(g: _Builder, x: str, ctx: _Ctx, half: int) -> str:
-    """Rotate-half RoPE on [N, heads, D], as transformers' apply_rotary_pos_emb."""
-    x1, x2 = g.op("Split", [x, g.const("halves", [half, half])], 2, axis=-1)
-    rot = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=-1)
-    return g.op1("Add", [g.op1("Mul", [x, ctx.cos]), g.op1("Mul", [rot, ctx.sin])])
-
-
-def _heads(g: _Builder, x: str, n: int, d: int, norm: np.ndarray | None, name: str, eps: float) -> str:
-    """[N, n*d] -> [N, n, d], with the per-head RMSNorm (qk_norm) when the model has one."""
-    y = g.op1("Reshape", [x, g.const(f"heads_{n}_{d}", [0, n, d])])
-    if norm is None:
-        return y
-    return g.op1("SimplifiedLayerNormalization", [y, g.weight(name, norm)], axis=-1, epsilon=eps)
-
-
-def _past(g: _Builder, cache: str, ctx: _Ctx) -> str:
-    """The sequences' cached positions as GQA's BNSH past, gathered from the blocks."""
-    return g.op1("Transpose", [g.op1("GatherND", [cache, ctx.slots])], perm=[0, 2, 1, 3])
-
-
-def _layer(g: _Builder, spec: dec.DecoderSpec, w: dec.LayerWeights, p: str, x: str, ctx: _Ctx,
-           kc: str, vc: str) -> tuple[str, str, str]:
-    """One decoder layer on the flat rows x [N, hidden]; returns (x, new K [N, KVH, D], new V)."""
-    H, KVH, D, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-    h = g.op1("SimplifiedLayerNormalization", [x, g.weight(p + ".in_norm", w.in_norm)], axis=-1, epsilon=eps)
-    qkv = g.linear(h, w.qkv, p + ".qkv", w.qkv_bias)
-    q, k, v = g.op("Split", [qkv, g.const(f"qkv_split_{p}", [H * D, KVH * D, KVH * D])], 3, axis=-1)
-    q = _rope(g, _heads(g, q, H, D, w.q_norm, p + ".q_norm", eps), ctx, D // 2)
-    k = _rope(g, _heads(g, k, KVH, D, w.k_norm, p + ".k_norm", eps), ctx, D // 2)
-    v = _heads(g, v, KVH, D, None, "", eps)
-    # present_key/value must be named: without them the CPU kernel attends over an unfilled buffer.
-    attn = g.op("GroupQueryAttention", [
-        g.op1("Reshape", [q, ctx.q3]), g.op1("Reshape", [k, ctx.kv3]), g.op1("Reshape", [v, ctx.kv3]),
-        _past(g, kc, ctx), _past(g, vc, ctx), SEQLENS, TOTAL], 3, domain=MS, num_heads=H, kv_num_heads=KVH,
-        scale=float(D ** -0.5))[0]
-    o = g.linear(g.op1("Reshape", [attn, g.const("flat", [-1, H * D])]), w.o, p + ".o", w.o_bias)
-    # Residual add and the MLP's norm in one kernel: outputs 0 (normed) and 3 (the sum).
-    h2, x2 = g.op("SkipSimplifiedLayerNormalization", [o, x, g.weight(p + ".post_norm", w.post_norm)], 2,
-                  domain=MS, skip=(1, 2), epsilon=eps)
-    gate, up = g.op("Split", [g.linear(h2, w.gate_up, p + ".gate_up"),
-                              g.const("gu_split", [spec.intermediate_size] * 2)], 2, axis=-1)
-    act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])  # SwiGLU
-    return g.op1("Add", [x2, g.linear(act, w.down, p + ".down")]), k, v
+    return _Ctx(q3, kv3, slots)

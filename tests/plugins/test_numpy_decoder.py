@@ -17,14 +17,10 @@ import pytest
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.engine import LLMEngine
-from dspark.llm.sampling import SamplingParams
-from dspark.testing import tiny_checkpoint
+from dspark.testing import engine_tokens, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "dspark-numpy" / "src"))
 import dspark_numpy  # noqa: E402
-
-PROMPTS = [[5, 9, 13, 2, 7] * 4, [11, 3, 8], list(range(30, 60))]
-
 
 @pytest.fixture(scope="module")
 def host() -> PluginHost:
@@ -34,14 +30,8 @@ def host() -> PluginHost:
     return h
 
 
-def _tokens(path: Path, decoder: str, host: PluginHost, **kw: Any) -> tuple[list[list[int]], LLMEngine]:
-    e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, max_batch_size=4, plugin_host=host, **kw)
-    for i, p in enumerate(PROMPTS):
-        e.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while e.has_unfinished():
-        out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
-    return [out[str(i)] for i in range(len(PROMPTS))], e
+def _tokens(path: Path, decoder: str, host: PluginHost, **kw: Any) -> tuple[list[list[int]], Any]:
+    return engine_tokens(path, decoder, plugin_host=host, **kw)
 
 
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "smollm3", "mistral_sliding", "phi4_mini"])

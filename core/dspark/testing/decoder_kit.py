@@ -10,6 +10,8 @@
 - :func:`check_decoder`: the engine's probe scenario (two prompts, one in two
   chunks; batched decode; a verified draft and its rollback; a sequence freed
   and another started) on a compiled decoder against the torch runner.
+- :func:`engine_tokens`: greedy tokens of a few prompts through the whole engine (batching,
+  chunked prefill) on a named decoder, to compare with ``decoder="torch"``.
 - :func:`check_decoders`: every family on every device of a plugin. A declined
   bid passes as a skip with its reason; a bid whose decoder does not compile or
   whose logits differ is a failure: a bid is a promise.
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from dspark.sdk.decoder import CompiledDecoder, DecoderSpec, SequenceDecoder
     from dspark.testing.kit import ConformanceKit
 
-__all__ = ["FAMILIES", "WINDOW", "check_decoder", "check_decoders", "decoder_spec", "tiny_checkpoint"]
+__all__ = ["FAMILIES", "WINDOW", "check_decoder", "check_decoders", "decoder_spec", "engine_tokens", "tiny_checkpoint"]
 
 WINDOW = 8  # sliding windows: the check's prompts run past it
 TOLERANCE = 1e-3  # float32 logits: rounding only
@@ -130,6 +132,26 @@ def check_decoder(decoder: CompiledDecoder | SequenceDecoder, path: Path | str, 
     seen = f"max |logit diff| {r.max_abs_diff:.2e}, {r.argmax_flips}/{r.rows} argmax flips"
     tol, flips = (TOLERANCE, 0) if dtype == "float32" else (1.0, max(1, r.rows // 10))
     return r.max_abs_diff <= tol and r.argmax_flips <= flips, seen
+
+
+PROMPTS = ([5, 9, 13, 2, 7] * 4, [11, 3, 8], list(range(30, 60)))  # repeats, a short one, one past the windows
+
+
+def engine_tokens(path: Path | str, decoder: str, *, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 12,
+                  plugin_host: Any = None, **engine: Any) -> tuple[list[list[int]], Any]:
+    """(greedy tokens of each prompt, the engine) with ``decoder`` ('torch', 'PLUGIN[@DEVICE]') in float32;
+    ``engine``: more :class:`~dspark.llm.config.EngineConfig` fields (``max_num_batched_tokens`` for chunks)."""
+    from dspark.llm.engine import LLMEngine
+    from dspark.llm.sampling import SamplingParams
+
+    engine = {"max_batch_size": 4, **engine}
+    e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, plugin_host=plugin_host, **engine)
+    for i, p in enumerate(prompts):
+        e.add_request(str(i), list(p), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while e.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
+    return [out[str(i)] for i in range(len(prompts))], e
 
 
 def check_decoders(kit: ConformanceKit, variants: tuple[str, ...] = DECODER_VARIANTS,

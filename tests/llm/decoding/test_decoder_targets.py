@@ -287,22 +287,11 @@ def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None
 def test_every_family_the_definition_expresses_runs_on_the_target(tmp_path: Any, variant: str) -> None:
     """Sliding windows, Gemma 3's local RoPE and sandwich norms, RoPE-less layers, partial rotary, YaRN: one
     definition (dspark.sdk.family) lowered to OpenVINO, the torch runner's greedy tokens through the engine."""
-    from dspark.testing import tiny_checkpoint
+    from dspark.testing import engine_tokens, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / variant, variant)
-    prompts = [[5, 9, 13, 2, 7] * 4, [11, 3, 8], list(range(30, 60))]
-
-    def run(decoder: str) -> tuple[list[list[int]], LLMEngine]:
-        e = LLMEngine.from_model(path, dtype="float32", decoder=decoder, max_batch_size=4, max_num_batched_tokens=16)
-        for i, p in enumerate(prompts):
-            e.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        out: dict[str, list[int]] = {}
-        while e.has_unfinished():
-            out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
-        return [out[str(i)] for i in range(len(prompts))], e
-
-    ref, _ = run("torch")
-    got, e = run("cpu")
+    ref, _ = engine_tokens(path, "torch")
+    got, e = engine_tokens(path, "cpu", max_num_batched_tokens=16)  # prompts run in chunks
     assert e.stats().decoder == "cpu@cpu", e.decoder_choice
     assert got == ref
 
