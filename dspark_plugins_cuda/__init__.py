@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # 1.6: whole-decoder targets (dspark_decoder_bid / dspark_compile_decoder). Imports only the public
 # plugin API (dspark.sdk for the reference executor and the decoder types).
-DSPARK_API_VERSION = "1.6"
+DSPARK_API_VERSION = "1.10"  # the decoder as ops of dspark.sdk.family
 
 
 @hookimpl

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dspark_plugins_npu.decoder import OrtDecoder
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.6"  # whole-decoder targets: dspark_decoder_bid / dspark_compile_decoder
+DSPARK_API_VERSION = "1.10"  # the decoder as ops of dspark.sdk.family
 PLUGIN_NAME = "npu"
 
 

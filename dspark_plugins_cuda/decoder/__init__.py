@@ -1,8 +1,9 @@
-"""The cuda plugin's whole decoder (plugin API 1.6): torch on the GPU, attention on the Triton paged kernel.
+"""The cuda plugin's whole decoder (plugin API 1.10): dspark's one decoder definition on torch and Triton.
 
-Dense parts (norms, projections, SwiGLU, head) are torch ops in the spec's dtype, in the op order of
-the engine's torch reference; attention reads and writes the engine's KV blocks through
-:mod:`.triton_paged`. KV memory is ``[num_blocks, block_size, kv_heads, head_dim]`` per layer, in the
+The model is :func:`dspark.sdk.family.forward`; :class:`TorchOps` supplies its ops: dense parts (norms,
+projections, the gated MLP, head) as torch ops in the spec's dtype, in the op order of the engine's
+torch reference, and attention (with windows and soft-caps) reading and writing the engine's KV
+blocks through :mod:`.triton_paged`. KV memory is ``[num_blocks, block_size, kv_heads, head_dim]`` per layer, in the
 spec's dtype; the block size is the engine's choice (the bid says ``None``; 16 by default).
 
 Decode steps (one row per sequence, every row's logits) replay CUDA graphs captured per padded batch
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from dspark.sdk.family import Attention, decline, forward
 from dspark.types import DecoderBid
 
 from dspark_plugins_cuda.precision import fp32_mode
@@ -30,7 +32,6 @@ if TYPE_CHECKING:
     from dspark.sdk import decoder as sdk_decoder
     from dspark.types import Device
 
-SUPPORTED = frozenset({"qkv_bias", "o_bias", "qk_norm"})
 MAX_HEAD_DIM = 256  # triton_paged.MAX_HEAD_DIM, repeated: bidding imports no Triton (a test checks they agree)
 DEFAULT_BLOCK_SIZE = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,9 +44,7 @@ def decoder_bid(spec: sdk_decoder.DecoderSpec, device: Device) -> DecoderBid | N
         return None
     base: dict[str, Any] = {"device_id": device.id, "runtime": device.runtime,
             "runtime_version": f"torch {torch.__version__}, triton {device.properties.get('triton')}"}
-    why = spec.unsupported(SUPPORTED)
-    if why is None and spec.quantization is not None:
-        why = "takes float weights only (no quantized decoder kernels yet)"
+    why = decline(spec, TorchOps.variants)
     if why is None and spec.dtype not in _DTYPES:
         why = f"computes in float32, bfloat16 or float16, not {spec.dtype}"
     if why is None and spec.dtype not in device.dtypes:
@@ -91,20 +90,6 @@ class KVCache:
 
 
 @dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (H + 2 KVH) D]
-    o: torch.Tensor  # [H D, hidden]
-    gate_up: torch.Tensor  # [hidden, 2 I]
-    down: torch.Tensor  # [I, hidden]
-    qkv_bias: torch.Tensor | None
-    o_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-
-
-@dataclass
 class _Inputs:
     """One step on the device: ``ids`` (range from layer 0) or ``hidden``; int64 index tensors except
     the int32 block table; ``rows``: the logit rows (None: all)."""
@@ -119,6 +104,111 @@ class _Inputs:
     table_begins: torch.Tensor
     rows: torch.Tensor | None
     max_rows: int
+
+
+class TorchOps:
+    """:class:`dspark.sdk.family.DecoderOps` as torch ops on one device; attention on the Triton kernels.
+
+    Weights go to the device once, on first use, keyed by the spec's array (a tied head shares the
+    embedding's memory). Graph-safe: no host syncs, no host-built tensors once the weights are there.
+    """
+
+    variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "attention.softcap",
+                          "rope.partial", "softcap"})
+
+    def __init__(self, owner: TritonDecoder) -> None:
+        self.d = owner
+        self._dev: dict[int, torch.Tensor] = {}
+        self._keep: list[np.ndarray] = []  # the arrays keyed by id stay alive
+        self.kv: KVCache | None = None
+        self.inp: _Inputs | None = None
+
+    def t(self, a: np.ndarray) -> torch.Tensor:
+        key = id(a)
+        if key not in self._dev:
+            embed = self._dev.get(-1)
+            emb = self.d.weights.embed
+            if embed is not None and a.ndim == 2 and a.T.shape == emb.shape \
+                    and (np.shares_memory(a, emb) or np.array_equal(a.T, emb)):
+                self._dev[key] = embed.t()  # a tied head is the embedding: no second copy
+            else:
+                self._dev[key] = self.d._t(a)
+            self._keep.append(a)
+        return self._dev[key]
+
+    def bind(self, kv: KVCache, inp: _Inputs) -> None:
+        self.kv, self.inp = kv, inp
+
+    def _i(self) -> _Inputs:
+        assert self.inp is not None
+        return self.inp
+
+    def tokens(self, table: np.ndarray, quant: Any) -> torch.Tensor:
+        return self.d.embed[self._i().ids]  # type: ignore[index]
+
+    def hidden_in(self) -> torch.Tensor:
+        return self._i().hidden.to(self.d.dtype)  # type: ignore[union-attr]
+
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * torch.tensor(factor, dtype=self.d.dtype)  # rounded to the model dtype, as the reference
+
+    def rms_norm(self, x: torch.Tensor, weight: np.ndarray, eps: float) -> torch.Tensor:
+        # The reference's op order (HF LlamaRMSNorm): statistics in float32, scale in the model dtype.
+        w = self.t(weight)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+    def linear(self, x: torch.Tensor, weight: np.ndarray, bias: np.ndarray | None, quant: Any,
+               name: str) -> torch.Tensor:
+        y = x @ self.t(weight)
+        return y if bias is None else y + self.t(bias)
+
+    def split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return list(torch.split(x, sizes, dim=-1))
+
+    def heads(self, x: torch.Tensor, num: int, dim: int) -> torch.Tensor:
+        return x.reshape(x.shape[0], num, dim)
+
+    def rope(self, x: torch.Tensor, table: int) -> torch.Tensor:
+        cos_t, sin_t = self.d.rope_tables[table]
+        pos = self._i().positions
+        cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]
+        rd = cos.shape[-1]
+        part = x[..., :rd]
+        half = rd // 2
+        out = part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin  # rotate-half
+        return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention) -> torch.Tensor:
+        inp, kv = self._i(), self.kv
+        assert kv is not None
+        li = spec.layer - self.d.spec.layers[0]
+        kc, vc = kv.k[li], kv.v[li]
+        kern = self.d._kernels
+        kern.write_kv(k, v, kc, vc, inp.slots)
+        attn = kern.paged_attention(q.contiguous(), kc, vc, inp.seq_begins, inp.past_lens, inp.table,
+                                    inp.table_begins, inp.max_rows, spec.scale, window=spec.window,
+                                    softcap=spec.softcap)
+        return attn.reshape(q.shape[0], spec.num_heads * spec.head_dim)
+
+    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "silu":
+            return F.silu(x)
+        return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def logit_rows(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._i().rows
+        return x if rows is None else x[rows]
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return torch.tanh(x.float() / cap) * cap
 
 
 @dataclass
@@ -166,22 +256,15 @@ class TritonDecoder:
         return None if a is None else self._t(a)
 
     def _load(self, spec: sdk_decoder.DecoderSpec) -> None:
-        w = spec.weights()
-        a, b = spec.layers
-        t, o = self._t, self._opt
-        self.layers = [_Layer(t(L.in_norm), t(L.post_norm), t(L.qkv), t(L.o), t(L.gate_up), t(L.down),
-                              o(L.qkv_bias), o(L.o_bias), o(L.q_norm), o(L.k_norm))
-                       for L in w.layers[a:b]]
-        self.embed: torch.Tensor | None = t(w.embed) if a == 0 else None
-        self.norm: torch.Tensor | None = None
-        self.head: torch.Tensor | None = None
-        if _needs_head(spec):
-            self.norm = t(w.norm)
-            # A tied head is the embedding: share its memory instead of a second copy.
-            if self.embed is not None and w.head.shape[::-1] == w.embed.shape and np.array_equal(w.head.T, w.embed):
-                self.head = self.embed.t()
-            else:
-                self.head = t(w.head)
+        self.weights = spec.weights()
+        self.ops = TorchOps(self)
+        self.layers = range(*spec.layers)
+        self.embed: torch.Tensor | None = None
+        if spec.layers[0] == 0:
+            self.embed = self.ops._dev[-1] = self.ops.t(self.weights.embed)
+        if _needs_head(spec):  # the head's weights now, not at a graph's capture
+            self.ops.t(self.weights.norm)
+            self.ops.t(self.weights.head)
         self._rope_len = 0
         self._rope(spec.max_position_embeddings)
 
@@ -189,8 +272,8 @@ class TritonDecoder:
         """cos/sin tables for positions below ``n`` on the device, in the compute dtype (as the reference)."""
         if n <= self._rope_len:
             return
-        cos, sin = self.spec.rope(n)
-        self.cos, self.sin = self._t(cos), self._t(sin)
+        tables = sorted({t for t in (self.spec.layer_rope or (0,)) if t is not None}) or [0]
+        self.rope_tables = {i: tuple(self._t(a) for a in self.spec.rope_at(i, n)) for i in tables}
         self._rope_len = n
 
     def allocate(self, num_blocks: int) -> KVCache:
@@ -203,54 +286,12 @@ class TritonDecoder:
 
     # -- the forward ------------------------------------------------------------------------------
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # The reference's op order (HF LlamaRMSNorm): statistics in float32, scale in the model dtype.
-        eps = self.spec.rms_norm_eps
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
-        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
     def _forward(self, kv: KVCache, inp: _Inputs, stop: int, head: bool) -> torch.Tensor:
         """Layers ``[a, stop)`` of the range, then the final norm and head over ``inp.rows`` when ``head``
         (logits float32), else the hidden state. Graph-safe: no host syncs, no host-built tensors."""
-        s = self.spec
-        H, KVH, D = s.num_heads, s.num_kv_heads, s.head_dim
-        if inp.ids is not None:
-            x = self.embed[inp.ids]  # type: ignore[index]
-        else:
-            x = inp.hidden.to(self.dtype)  # type: ignore[union-attr]
-        T = x.shape[0]
-        cos, sin = self.cos[inp.positions][:, None, :], self.sin[inp.positions][:, None, :]
-        half = D // 2
-        scale = D ** -0.5
-        for li in range(stop - s.layers[0]):
-            L = self.layers[li]
-            h = self._rms(x, L.in_norm)
-            qkv = h @ L.qkv
-            if L.qkv_bias is not None:
-                qkv = qkv + L.qkv_bias
-            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-            if L.q_norm is not None and L.k_norm is not None:
-                qk = torch.cat([self._rms(qk[:, :H], L.q_norm), self._rms(qk[:, H:], L.k_norm)], dim=1)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE, rotate-half
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-            kc, vc = kv.k[li], kv.v[li]
-            self._kernels.write_kv(k, v, kc, vc, inp.slots)
-            attn = self._kernels.paged_attention(q, kc, vc, inp.seq_begins, inp.past_lens, inp.table,
-                                                inp.table_begins, inp.max_rows, scale)
-            o = attn.reshape(T, H * D) @ L.o
-            if L.o_bias is not None:
-                o = o + L.o_bias
-            x = x + o
-            h = self._rms(x, L.post_norm)
-            g, u = (h @ L.gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ L.down
-        if not head:
-            return x.float()
-        if inp.rows is not None:
-            x = x[inp.rows]
-        return (self._rms(x, self.norm) @ self.head).float()  # type: ignore[arg-type,operator]
+        self.ops.bind(kv, inp)
+        out = forward(self.spec, self.ops, (self.spec.layers[0], stop), head=head, weights=self.weights)
+        return out.float()
 
     # -- a step -----------------------------------------------------------------------------------
 

@@ -35,11 +35,12 @@ MAX_HEAD_DIM = 256  # larger heads would not fit the tiles in registers
 
 @triton.jit
 def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, seq_begins_ptr, past_lens_ptr, table_ptr, table_begins_ptr,
-                scale_log2,
+                scale_log2, window, softcap,
                 stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                WINDOWED: tl.constexpr, CAPPED: tl.constexpr):
     s = tl.program_id(0)
     g = tl.program_id(1)
     m = tl.program_id(2)
@@ -62,11 +63,14 @@ def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, seq_begins_ptr, past_lens_ptr, table
     # Keys this tile can see: up to its last valid row's position (nothing for an empty tile).
     last = tl.minimum(m * BLOCK_Q + BLOCK_Q, n_new * GROUP) - 1
     hi = tl.where(last >= m * BLOCK_Q, past + last // GROUP + 1, 0)
+    lo = 0
+    if WINDOWED:  # keys before the tile's first row's window are seen by no row of the tile
+        lo = tl.maximum(past + (m * BLOCK_Q) // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < hi
         blk = tl.load(table_ptr + t0 + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
@@ -83,11 +87,20 @@ def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, seq_begins_ptr, past_lens_ptr, table
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], qk * scale_log2, float("-inf"))
-        # Key 0 is visible to every row in the first block, so m_new is finite from then on.
+        if CAPPED:  # cap * tanh(s / cap) on the scaled scores, tanh written with exp2 (no tanh in every Triton)
+            t = qk * (scale_log2 / softcap)  # (s / cap) * log2(e)
+            qk = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(2.0 * t) + 1.0))
+        else:
+            qk = qk * scale_log2
+        visible = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+        if WINDOWED:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+        # A row may see no key of a block (a window, or the tile's padding): keep its max finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
@@ -163,13 +176,15 @@ def tiles(max_rows: int, group: int) -> tuple[int, int]:
 
 
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, seq_begins: Any, past_lens: Any, block_table: Any,
-                    table_begins: Any, max_rows: int, scale: float, out: Any = None) -> Any:
+                    table_begins: Any, max_rows: int, scale: float, out: Any = None, window: int | None = None,
+                    softcap: float | None = None) -> Any:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged caches; returns ``[T, heads, head_dim]``
     in q's dtype (``out`` if given).
 
     ``seq_begins`` ``[S + 1]``, ``past_lens`` ``[S]``, ``table_begins`` ``[S + 1]`` and ``block_table``
     are integer tensors on q's device (int32 or int64); ``max_rows`` is the longest chunk (a host int:
-    it sizes the grid). ``scale`` multiplies the scores (``head_dim ** -0.5`` for Llama).
+    it sizes the grid). ``scale`` multiplies the scores (``head_dim ** -0.5`` for Llama); ``softcap``
+    caps them (``c * tanh(s / c)``); ``window``: a row sees only its last this-many positions.
     """
     import torch
 
@@ -196,9 +211,11 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, seq_begins: Any, past_le
     _paged_attn[(num_seqs, kv_heads, per_seq)](
         q, k_cache, v_cache, out, seq_begins, past_lens, block_table, table_begins,
         float(scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        int(window or 0), float(softcap or 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, PAGE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=interp, IEEE=ieee, num_warps=warps, num_stages=2)
+        BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=interp, IEEE=ieee, WINDOWED=window is not None,
+        CAPPED=softcap is not None, num_warps=warps, num_stages=2)
     return out

@@ -28,7 +28,7 @@ from dspark.llm.decoding.spec import make_spec
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner, SeqChunk
 from dspark.sdk.decoder import DecoderSpec, StepBatch
-from dspark.types import Device
+from dspark.types import Device, QuantSpec
 
 import dspark_plugins_cuda
 import dspark_plugins_cuda.decoder as decoder_module
@@ -49,7 +49,8 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="no CUDA GPU 
 
 
 def _plain_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, begins: list[int], past: list[int],
-                     tables: list[list[int]]) -> torch.Tensor:
+                     tables: list[list[int]], window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Per sequence: gather its positions from the blocks, repeat kv heads, causal softmax in float32."""
     out = torch.empty(q.shape, dtype=torch.float32)
     group, page = q.shape[1] // kc.shape[2], kc.shape[1]
@@ -61,8 +62,13 @@ def _plain_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, begins
         k = kc[blocks, pos % page].float().repeat_interleave(group, 1)
         v = vc[blocks, pos % page].float().repeat_interleave(group, 1)
         scores = torch.einsum("thd,lhd->htl", q[r0:r1].float(), k) * q.shape[2] ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = past[s] + torch.arange(r1 - r0)
-        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > qpos[None, :, None]
+        if window is not None:
+            hidden = hidden | (pos[None, None, :] <= qpos[None, :, None] - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[r0:r1] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
     return out
 
@@ -111,6 +117,21 @@ def test_paged_attention_matches_plain_attention(dtype: torch.dtype, past: list[
     assert got.dtype == dtype and got.shape == q.shape
     want = _plain_attention(q, kc, vc, begins, past, tables)
     torch.testing.assert_close(got.cpu().float(), want.to(dtype).float(), atol=_TOL[dtype], rtol=_TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (None, 0.5), (8, 2.0)])
+def test_sliding_windows_and_soft_caps_match_plain_attention(window: int | None, softcap: float | None) -> None:
+    # Decode rows past the window, a chunk over a past (tiles whose first blocks lie outside every row's
+    # window), a first prompt longer than it.
+    past, new = [37, 0, 20], [1, 11, 9]
+    q, kc, vc, begins, tables = _case(past, new, 6, 2, 64, 16, torch.float32, seed=2)
+    flat = [b for t in tables for b in t]
+    tb = np.concatenate([[0], np.cumsum([len(t) for t in tables])]).tolist()
+    got = tp.paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), _i32(begins), _i32(past), _i32(flat),
+                             _i32(tb), max(new), 64 ** -0.5, window=window, softcap=softcap)
+    want = _plain_attention(q, kc, vc, begins, past, tables, window, softcap)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernels
@@ -260,21 +281,22 @@ def test_bid_promises_the_spec(spec: DecoderSpec) -> None:
     assert bid.block_size is None and bid.exit_layers and bid.precision == bid.kv_dtype == "float32"
     assert bid.kv_bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     assert bid.weight_bytes > spec.vocab_size * spec.hidden_size * 4
-    assert dspark_plugins_cuda.DSPARK_API_VERSION == "1.6"
+    assert dspark_plugins_cuda.DSPARK_API_VERSION == "1.10"
 
 
 def test_bid_declines_what_it_does_not_run(spec: DecoderSpec) -> None:
-    soft = decoder_bid(dataclasses.replace(spec, features=frozenset({"softcap", "qkv_bias"})), _gpu())
-    assert soft is not None and soft.declined and "softcap" in soft.declined and "qkv_bias" not in soft.declined
-    quant = decoder_bid(dataclasses.replace(spec, quantization={"model.layers.0.q_proj": "int8"}), _gpu())
-    assert quant is not None and quant.declined and "float weights" in quant.declined
+    ctx = decoder_bid(dataclasses.replace(spec, features=frozenset({"context_rope", "qkv_bias"})), _gpu())
+    assert ctx is not None and ctx.declined and "context_rope" in ctx.declined and "qkv_bias" not in ctx.declined
+    int8 = QuantSpec(weight_bits=8)
+    quant = decoder_bid(dataclasses.replace(spec, quantization={"model.layers.0.self_attn.qkv_proj": int8}), _gpu())
+    assert quant is not None and quant.declined and "linear.int8" in quant.declined
     old = decoder_bid(dataclasses.replace(spec, dtype="bfloat16"), _gpu(["float32", "float16"]))
     assert old is not None and old.declined and "bfloat16" in old.declined
     assert "Triton" in (decoder_bid(spec, _gpu(triton=None)).declined or "")  # type: ignore[union-attr]
     cpu = Device(id="cpu", kind="cpu", name="CPU", runtime="torch")
     assert decoder_bid(spec, cpu) is None
     assert dspark_plugins_cuda.dspark_compile_decoder(
-        decoder=dataclasses.replace(spec, features=frozenset({"softcap"})), device=_gpu()) is None
+        decoder=dataclasses.replace(spec, features=frozenset({"context_rope"})), device=_gpu()) is None
 
 
 def test_the_bid_knows_the_kernels_head_dim_limit(spec: DecoderSpec) -> None:
@@ -350,3 +372,16 @@ def test_cuda_graphs_keep_allocations_apart(spec: DecoderSpec, runner: ModelRunn
     ref = runner.make_cache(16, 16)
     runner.step(ref, [SeqChunk("a", a)])
     torch.testing.assert_close(x[0], runner.step(ref, [SeqChunk("a", [42])])[0], atol=1e-3, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mistral_sliding", "smollm3", "phi4_mini"])
+def test_every_family_the_definition_expresses_runs_on_triton(tmp_path: Path, variant: str) -> None:
+    """dspark.sdk.family.forward on the torch/Triton ops: windows and soft-caps in the paged kernel."""
+    from dspark.testing import check_decoder, decoder_spec, tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / variant, variant)
+    spec = decoder_spec(path)
+    assert decoder_bid(spec, _gpu()).declined is None  # type: ignore[union-attr]
+    ok, seen = check_decoder(TritonDecoder(spec, torch_device=DEVICE, block_size=16), path)
+    assert ok, seen

@@ -13,8 +13,6 @@ once at compile time (dspark_plugins_cpu.decoder.ops does so for OpenVINO).
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import numpy as np
 
 from dspark.sdk import QuantizedWeight, dequantize, quantize_weight, reference_linear
