@@ -112,7 +112,7 @@ class OpenVINODecoder:
                     req.set_tensor(f"key_cache.{a + i}", kv[i][0])
                     req.set_tensor(f"value_cache.{a + i}", kv[i][1])
                 self._bound[id(req)] = kv
-            feed = {"position_ids": batch.positions, "past_lens": batch.past_lens,
+            feed = {"position_ids": batch.rope_rows, "past_lens": batch.past_lens,
                     "subsequence_begins": batch.subsequence_begins, "block_indices": batch.block_indices,
                     "block_indices_begins": batch.block_indices_begins,
                     "max_context_len": np.asarray(batch.max_context_len, dtype=np.int32)}

@@ -137,7 +137,7 @@ class OpenVINOOps:
     def _table(self, index: int) -> tuple[Any, Any]:
         """cos and sin [T, 1, rotary] of the rows' positions, gathered once per table and shared by the layers."""
         if index not in self._tables:
-            cos_t, sin_t = self.spec.rope_at(index, self.spec.max_position_embeddings)
+            cos_t, sin_t = self.spec.rope_at(index, self.spec.rope_table_rows)
             pos, axis0 = self._positions(), self.const(0, I64)
             cos = self.o.unsqueeze(self.o.gather(self.const(cos_t), pos, axis0), self.const(1, I64))
             sin = self.o.unsqueeze(self.o.gather(self.const(sin_t), pos, axis0), self.const(1, I64))

@@ -96,7 +96,7 @@ class _Inputs:
 
     ids: torch.Tensor | None
     hidden: torch.Tensor | None
-    positions: torch.Tensor
+    positions: torch.Tensor  # the rows of the RoPE tables (StepBatch.rope_rows): attention reads past_lens
     slots: torch.Tensor
     seq_begins: torch.Tensor
     past_lens: torch.Tensor
@@ -266,7 +266,7 @@ class TritonDecoder:
             self.ops.t(self.weights.norm)
             self.ops.t(self.weights.head)
         self._rope_len = 0
-        self._rope(spec.max_position_embeddings)
+        self._rope(spec.rope_table_rows)
 
     def _rope(self, n: int) -> None:
         """cos/sin tables for positions below ``n`` on the device, in the compute dtype (as the reference)."""
@@ -311,8 +311,8 @@ class TritonDecoder:
         first = self.spec.layers[0] == 0
         if (batch.input_ids is None) if first else (batch.hidden is None):
             raise ValueError("a range from layer 0 takes input_ids, a later one hidden")
-        if batch.num_tokens and int(batch.positions.max()) >= self._rope_len:
-            self._rope(int(batch.positions.max()) + 1)
+        if batch.num_tokens and int(batch.rope_rows.max()) >= self._rope_len:
+            self._rope(int(batch.rope_rows.max()) + 1)
             self._graphs.clear()  # they captured the old tables, and their buffers' widths
             self._static = {}
 
@@ -343,7 +343,7 @@ class TritonDecoder:
         return _Inputs(
             ids=None if batch.input_ids is None else put(batch.input_ids),
             hidden=None if batch.hidden is None else put(batch.hidden, torch.float32),
-            positions=put(batch.positions), slots=put(batch.slot_mapping), seq_begins=put(begins),
+            positions=put(batch.rope_rows), slots=put(batch.slot_mapping), seq_begins=put(begins),
             past_lens=put(batch.past_lens), table=put(batch.block_indices, torch.int32),
             table_begins=put(batch.block_indices_begins), rows=put(batch.logit_rows),
             max_rows=int(np.diff(begins).max()) if begins.size > 1 else 0)
@@ -402,7 +402,7 @@ class TritonDecoder:
         if batch is not None:
             if batch.input_ids is not None:
                 host[:m] = batch.input_ids
-            host[n:n + m] = batch.positions
+            host[n:n + m] = batch.rope_rows
             host[2 * n:2 * n + m] = batch.slot_mapping
             host[3 * n:3 * n + m] = batch.past_lens
             host[5 * n + 1:5 * n + m + 2] = batch.block_indices_begins

@@ -247,7 +247,7 @@ class OrtDecoder:
         take = np.where(real, rows, 0)  # padding rows compute on row 0's inputs; their outputs are dropped
         feeds = kv.feeds(sess.num_layers)
         past = batch.past_lens[run.seqs].astype(np.int64)
-        pos = np.where(real, batch.positions[take], 0)
+        pos = np.where(real, batch.rope_rows[take], 0)
         for t in self._rope_tables:
             c, s = (dg.COS, dg.SIN) if t == 0 else (f"{dg.COS}.{t}", f"{dg.SIN}.{t}")
             feeds[c], feeds[s] = self._rope(t, pos)

@@ -28,6 +28,7 @@ from dspark.llm.decoding.spec import make_spec
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner, SeqChunk
 from dspark.sdk.decoder import DecoderSpec, StepBatch
+from dspark.testing.decoder_kit import DECODER_VARIANTS
 from dspark.types import Device, QuantSpec
 
 import dspark_plugins_cuda
@@ -285,8 +286,8 @@ def test_bid_promises_the_spec(spec: DecoderSpec) -> None:
 
 
 def test_bid_declines_what_it_does_not_run(spec: DecoderSpec) -> None:
-    ctx = decoder_bid(dataclasses.replace(spec, features=frozenset({"context_rope", "qkv_bias"})), _gpu())
-    assert ctx is not None and ctx.declined and "context_rope" in ctx.declined and "qkv_bias" not in ctx.declined
+    ctx = decoder_bid(dataclasses.replace(spec, features=frozenset({"gguf_stored", "qkv_bias"})), _gpu())
+    assert ctx is not None and ctx.declined and "gguf_stored" in ctx.declined and "qkv_bias" not in ctx.declined
     int8 = QuantSpec(weight_bits=8)
     quant = decoder_bid(dataclasses.replace(spec, quantization={"model.layers.0.self_attn.qkv_proj": int8}), _gpu())
     assert quant is not None and quant.declined and "linear.int8" in quant.declined
@@ -296,7 +297,7 @@ def test_bid_declines_what_it_does_not_run(spec: DecoderSpec) -> None:
     cpu = Device(id="cpu", kind="cpu", name="CPU", runtime="torch")
     assert decoder_bid(spec, cpu) is None
     assert dspark_plugins_cuda.dspark_compile_decoder(
-        decoder=dataclasses.replace(spec, features=frozenset({"context_rope"})), device=_gpu()) is None
+        decoder=dataclasses.replace(spec, features=frozenset({"gguf_stored"})), device=_gpu()) is None
 
 
 def test_the_bid_knows_the_kernels_head_dim_limit(spec: DecoderSpec) -> None:
@@ -375,7 +376,7 @@ def test_cuda_graphs_keep_allocations_apart(spec: DecoderSpec, runner: ModelRunn
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mistral_sliding", "smollm3", "phi4_mini"])
+@pytest.mark.parametrize("variant", [v for v in DECODER_VARIANTS if v != "phi3_longrope"])
 def test_every_family_the_definition_expresses_runs_on_triton(tmp_path: Path, variant: str) -> None:
     """dspark.sdk.family.forward on the torch/Triton ops: windows and soft-caps in the paged kernel."""
     from dspark.testing import check_decoder, decoder_spec, tiny_checkpoint

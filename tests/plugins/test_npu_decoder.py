@@ -138,9 +138,9 @@ def test_two_ranges_chained_equal_the_whole(qwen3: ModelRunner, qwen3_path: Path
 def test_unsupported_features_and_quantization_are_declined(qwen3: ModelRunner, qwen3_path: Path,
                                                             cpu: Device) -> None:
     spec = make_spec(qwen3, qwen3_path)
-    bid = npu_decoder.decoder_bid(spec.__class__(**{**spec.__dict__, "features": spec.features | {"context_rope"}}),
+    bid = npu_decoder.decoder_bid(spec.__class__(**{**spec.__dict__, "features": spec.features | {"gguf_stored"}}),
                                   cpu)
-    assert bid is not None and bid.declined and "context_rope" in bid.declined
+    assert bid is not None and bid.declined and "gguf_stored" in bid.declined
     int8 = QuantSpec(weight_bits=8, granularity="per_channel")
     quantized = npu_decoder.decoder_bid(spec.__class__(**{**spec.__dict__, "quantization": {"lm_head": int8}}), cpu)
     assert quantized is not None and quantized.declined and "linear.int8" in quantized.declined
@@ -148,7 +148,7 @@ def test_unsupported_features_and_quantization_are_declined(qwen3: ModelRunner, 
                                                                 "execution_provider": "CUDAExecutionProvider"}})
     on_gpu = npu_decoder.decoder_bid(spec, gpu)
     assert on_gpu is not None and on_gpu.declined and CPU_EP in on_gpu.declined
-    assert npu_decoder.compile_decoder(spec.__class__(**{**spec.__dict__, "features": frozenset({"context_rope"})}),
+    assert npu_decoder.compile_decoder(spec.__class__(**{**spec.__dict__, "features": frozenset({"gguf_stored"})}),
                                        cpu) is None
 
 
@@ -176,7 +176,8 @@ def test_hooks_on_the_probed_cpu_device(stdlib: ModelRunner, cpu: Device) -> Non
     assert r.argmax_flips == 0 and r.max_abs_diff < TOL, r
 
 
-@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mistral_sliding", "smollm3", "phi4_mini"])
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mistral_sliding", "smollm3", "phi4_mini",
+                                     "phi3_longrope"])
 def test_every_family_the_definition_expresses_runs_on_onnx_runtime(tmp_path: Path, variant: str) -> None:
     """Gemma 2's soft-caps and Mistral's windows go to GroupQueryAttention's own attributes; Gemma 3's
     local RoPE is a second cos/sin input; the torch runner's greedy tokens through the engine."""

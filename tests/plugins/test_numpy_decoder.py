@@ -16,7 +16,6 @@ import pytest
 
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
-from dspark.llm.engine import LLMEngine
 from dspark.testing import engine_tokens, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "dspark-numpy" / "src"))
@@ -54,10 +53,14 @@ def test_self_drafting_through_an_early_exit_on_the_ops_is_lossless(tmp_path: Pa
     assert got == ref
 
 
-def test_what_the_definition_cannot_express_is_declined_naming_it(tmp_path: Path, host: PluginHost) -> None:
+def test_longrope_crosses_its_switch_on_the_ops_as_the_torch_runner_does(tmp_path: Path, host: PluginHost) -> None:
+    """Phi-3's LongRoPE: a sequence that grows past original_max_position_embeddings (32 here) is
+    recomputed in long mode (dspark.llm.decoding.longrope), a prompt past it runs long from its first
+    chunk, and a speculative rollback across it goes back to short mode."""
     path = tiny_checkpoint(tmp_path / "phi3", "phi3_longrope")
-    e = LLMEngine.from_model(path, dtype="float32", decoder="numpy", plugin_host=host)
-    c = e.decoder_choice
-    assert c is not None and c.chosen == "torch"
-    reason = next(d["reason"] for d in c.declined if d["label"] == "numpy@cpu")
-    assert "context_rope" in reason and "LongRoPE" in reason, reason
+    prompts = ([5, 9, 13, 2, 7] * 4, list(range(30, 60)), list(range(40, 80)))
+    ref, _ = engine_tokens(path, "torch", plugin_host=host, prompts=prompts, max_tokens=16)
+    got, e = engine_tokens(path, "numpy", plugin_host=host, prompts=prompts, max_tokens=16,
+                           speculative_decoding={"strategy": "fixed", "drafters": ["self"], "exit_layer": 1})
+    assert e.stats().decoder == "numpy@cpu" and e.stats().spec_drafts > 0
+    assert got == ref

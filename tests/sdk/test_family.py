@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dspark.sdk.family import VARIANTS, decline, requirements
@@ -31,6 +33,9 @@ def test_ops_lacking_a_variant_decline_naming_it_and_what_needs_it(specs: dict) 
     why = decline(specs["gemma2"], frozenset(VARIANTS) - {"attention.softcap"})
     assert why is not None and "attention.softcap" in why and "soft-cap 2.0" in why, why
     assert "attention.window" not in why
+    stored = dataclasses.replace(specs["llama"], features=specs["llama"].features | {"gguf_stored"})
+    why = decline(stored, frozenset(VARIANTS))  # read as stored from the file: no ops class runs that
+    assert why is not None and "gguf_stored" in why, why
 
 
 def test_gemma_spells_out_its_scales_norms_and_tables(specs: dict) -> None:

@@ -58,9 +58,8 @@ VARIANTS: dict[str, str] = {
     "linear.int4": "int4 weights (dspark.sdk.quant's rounding) in a projection",
     "embed.int8": "an int8 embedding table with a scale per row",
 }
-# Features the definition itself does not express (yet): a spec with one is declined by every ops class.
-_OUTSIDE = {"context_rope": "RoPE frequencies chosen by each sequence's length",
-            "gguf_stored": "weights read as stored from a GGUF file"}
+# Features the definition itself does not express: a spec with one is declined by every ops class.
+_OUTSIDE = {"gguf_stored": "weights read as stored from a GGUF file"}
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,8 @@ class DecoderOps(Protocol, Generic[T]):
         ...
 
     def rope(self, x: T, table: int) -> T:
-        """``x`` [T, heads, D] rotated by the rows' ``positions`` with table ``table`` of ``spec.rope_at``
+        """``x`` [T, heads, D] rotated by the rows ``StepBatch.rope_rows`` (the positions, or for LongRoPE's
+        long mode ``position + max_position_embeddings``) of table ``table`` of ``spec.rope_at``
         (rotate-half: ``x * cos + cat(-x2, x1) * sin`` over the first ``spec.rotary`` dims, the rest
         unchanged; variant ``rope.partial`` when those are fewer than D)."""
         ...

@@ -126,8 +126,9 @@ def check_decoder(decoder: CompiledDecoder | SequenceDecoder, path: Path | str, 
     (passed, what was seen). float32 must agree to rounding and on every argmax."""
     from dspark.llm.decoding.conformance import compare
 
-    # Prompts past every variant's window (8-12) and LongRoPE's switch stays out of reach (32).
-    r = compare(decoder, _runner(path, dtype), seed=seed, prompt_lens=(11, 27), decode_steps=3, draft=4,
+    # Prompts past every variant's window (8-12); the second, prefilled in two chunks, crosses the tiny
+    # variants' LongRoPE switch (32) in its second chunk, so the decoder runs both modes and the recompute.
+    r = compare(decoder, _runner(path, dtype), seed=seed, prompt_lens=(11, 37), decode_steps=3, draft=4,
                 num_blocks=32)
     seen = f"max |logit diff| {r.max_abs_diff:.2e}, {r.argmax_flips}/{r.rows} argmax flips"
     tol, flips = (TOLERANCE, 0) if dtype == "float32" else (1.0, max(1, r.rows // 10))

@@ -162,7 +162,9 @@ class DecoderSpec:
 
     def rope_at(self, index: int, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
         """Table ``index`` of :attr:`layer_rope` (0: the model's RoPE; 1: Gemma 3's local one), as :meth:`rope`;
-        ``[num_positions, rotary_dim]``."""
+        ``[num_positions, rotary_dim]``. For LongRoPE (feature ``context_rope``), rows from
+        ``max_position_embeddings`` on are the long factors' positions 0, 1, ...: the rows a sequence in
+        long mode reads (:attr:`StepBatch.rope_positions`)."""
         if self.rope_tables_fn is None:
             if index != 0:
                 raise ValueError(f"this DecoderSpec has no RoPE table {index}")
@@ -176,6 +178,11 @@ class DecoderSpec:
     def rope_of(self, layer: int) -> int | None:
         """Which RoPE table ``layer`` rotates q and k by; None = the layer has no RoPE."""
         return self.layer_rope[layer] if self.layer_rope else 0
+
+    @property
+    def rope_table_rows(self) -> int:
+        """Rows of :meth:`rope_at` that cover every row a step may ask for (LongRoPE's long rows included)."""
+        return self.max_position_embeddings * (2 if "context_rope" in self.features else 1)
 
     @property
     def rotary(self) -> int:
@@ -219,6 +226,15 @@ class StepBatch:
     input_ids: np.ndarray | None = None  # [T] int64: a range that starts at layer 0
     hidden: np.ndarray | None = None  # [T, hidden] float32: a range that starts later
     exit_layer: int | None = None  # run layers [0, exit_layer), then the final norm and head
+    # API 1.10: the row of each RoPE table a row rotates by, where it is not its position: a sequence in
+    # LongRoPE's long mode reads row ``position + max_position_embeddings`` (DecoderSpec.rope_at). None:
+    # the positions.
+    rope_positions: np.ndarray | None = None  # [T] int64
+
+    @property
+    def rope_rows(self) -> np.ndarray:
+        """Which row of the RoPE tables each row rotates by (``rope_positions``, else ``positions``)."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @property
     def num_tokens(self) -> int:

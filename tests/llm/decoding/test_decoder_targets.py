@@ -283,7 +283,8 @@ def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None
     assert got == ref
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "smollm3", "phi4_mini", "qwen3_sliding_yarn"])
+@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "smollm3", "phi4_mini", "phi3_longrope",
+                                     "qwen3_sliding_yarn"])
 def test_every_family_the_definition_expresses_runs_on_the_target(tmp_path: Any, variant: str) -> None:
     """Sliding windows, Gemma 3's local RoPE and sandwich norms, RoPE-less layers, partial rotary, YaRN: one
     definition (dspark.sdk.family) lowered to OpenVINO, the torch runner's greedy tokens through the engine."""

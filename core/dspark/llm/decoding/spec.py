@@ -125,7 +125,13 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
     weights_fn = SpecWeights(runner, path, bool(quantization))
 
     def rope_tables_fn(index: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        cos, sin = ropes[index].cos_sin(torch.arange(n), torch.float32)
+        rope, pos = ropes[index], torch.arange(n)
+        if rope.kind != "longrope":  # (dynamic NTK changes nothing below max_position_embeddings, where the engine stops)
+            cos, sin = rope.cos_sin(pos, torch.float32)
+        else:  # rows past max_position_embeddings: the long factors, from position 0 (StepBatch.rope_positions)
+            long = pos >= c.max_position_embeddings
+            cos, sin = rope.cos_sin(torch.where(long, pos - c.max_position_embeddings, pos), torch.float32,
+                                    torch.where(long, rope.orig + 1, 0))
         return cos.numpy(), sin.numpy()
 
     def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:

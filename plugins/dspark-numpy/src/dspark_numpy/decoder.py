@@ -82,9 +82,9 @@ class NumpyOps:
 
     def rope(self, x: np.ndarray, table: int) -> np.ndarray:
         if table not in self._tables:
-            self._tables[table] = self.spec.rope_at(table, self.spec.max_position_embeddings)
+            self._tables[table] = self.spec.rope_at(table, self.spec.rope_table_rows)
         cos_t, sin_t = self._tables[table]
-        pos = self._b().positions
+        pos = self._b().rope_rows
         cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]
         rd = cos.shape[-1]
         r, rest = x[..., :rd], x[..., rd:]
