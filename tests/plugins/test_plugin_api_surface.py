@@ -19,7 +19,7 @@ import dspark.sdk
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ("dspark_plugins_cpu", "dspark_plugins_cuda", "dspark_plugins_npu")
 PUBLIC = frozenset({"dspark", "dspark.hookspecs", "dspark.types", "dspark.graph", "dspark.sdk", "dspark.sdk.decoder",
-                    "dspark.testing"})
+                    "dspark.sdk.family", "dspark.testing"})
 ROLES = ("probe.py", "support.py", "bidding.py", "executable.py", "quantize.py")
 
 

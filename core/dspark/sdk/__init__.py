@@ -5,7 +5,8 @@ A plugin imports only :mod:`dspark` (its top-level names), :mod:`dspark.hookspec
 every name below is documented in ``docs/plugins.md`` ("The SDK"). The SDK is
 versioned with the plugin API (:data:`dspark.API_VERSION`): a minor version only adds names.
 
-- whole-decoder targets (API 1.6): :mod:`decoder` (``DecoderSpec``, ``StepBatch``, ``CompiledDecoder``, ...)
+- whole-decoder targets (API 1.6): :mod:`decoder` (``DecoderSpec``, ``StepBatch``, ``CompiledDecoder``, ...);
+  every family's decoder written once over ops a plugin supplies (API 1.10): :mod:`family`
 - calibrated estimates: :mod:`calibration` (``estimate``, ``Estimate``, ``CannotCalibrate``,
   ``calibration_enabled``, ``make_inputs``, ``streams_weights``); ``DSPARK_CALIBRATE=0`` turns them off
 - timing and roofline: :mod:`cost` (``time_call``, ``roofline``, ``DEFAULT_OP_OVERHEAD_S``)
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from dspark.host import cache, hostinfo
     from dspark.host.hostinfo import cpu_benchmark_lock
     from dspark.host.log import get_logger
-    from dspark.sdk import calibration, cost, decoder, quant, reference
+    from dspark.sdk import calibration, cost, decoder, family, quant, reference
     from dspark.sdk.calibration import (
         CannotCalibrate,
         Estimate,
@@ -62,6 +63,7 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "calibration": ("dspark.sdk.calibration", None),
     "cost": ("dspark.sdk.cost", None),
     "decoder": ("dspark.sdk.decoder", None),
+    "family": ("dspark.sdk.family", None),
     "hostinfo": ("dspark.host.hostinfo", None),
     "quant": ("dspark.sdk.quant", None),
     "reference": ("dspark.sdk.reference", None),
@@ -108,6 +110,7 @@ __all__ = [
     "calibration_enabled",
     "cost",
     "decoder",
+    "family",
     "cpu_benchmark_lock",
     "dequantize",
     "estimate",

@@ -190,29 +190,50 @@ def decline(spec: DecoderSpec, variants: frozenset[str] | set[str]) -> str | Non
                                                for k, why in sorted(missing.items()))
 
 
-def _layer(spec: DecoderSpec, ops: DecoderOps[T], n: int, x: T, w: LayerWeights) -> T:
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What one layer's ops are called with besides tensors: computed once per spec (eager runtimes run
+    the definition every step)."""
+
+    names: tuple[str, str, str, str]  # the engine's names of qkv, o, gate_up, down
+    quant: tuple[QuantSpec | None, ...]
+    table: int | None
+    attention: Attention
+
+
+def _plans(spec: DecoderSpec) -> list[_LayerPlan]:
+    plans: list[_LayerPlan] | None = spec.__dict__.get("_family_plans")  # a cache on the frozen spec
+    if plans is None:
+        H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        scale = spec.attn_scale if spec.attn_scale is not None else D ** -0.5
+        plans = []
+        for n in range(spec.num_layers):
+            p = f"model.layers.{n}."
+            names = (p + "self_attn.qkv_proj", p + "self_attn.o_proj", p + "mlp.gate_up_proj", p + "mlp.down_proj")
+            plans.append(_LayerPlan(names, tuple(_quant(spec, m) for m in names), spec.rope_of(n),
+                                    Attention(n, H, KVH, D, scale, spec.window(n), spec.attn_softcap)))
+        spec.__dict__["_family_plans"] = plans
+    return plans
+
+
+def _layer(spec: DecoderSpec, ops: DecoderOps[T], plan: _LayerPlan, x: T, w: LayerWeights) -> T:
     H, KVH, D, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-    p = f"model.layers.{n}."
+    qkv_name, o_name, gu_name, down_name = plan.names
+    qq, qo, qgu, qd = plan.quant
     h = ops.rms_norm(x, w.in_norm, eps)
-    qkv = ops.linear(h, w.qkv, w.qkv_bias, _quant(spec, p + "self_attn.qkv_proj"), p + "self_attn.qkv_proj")
-    q, k, v = ops.split(qkv, [H * D, KVH * D, KVH * D])
+    q, k, v = ops.split(ops.linear(h, w.qkv, w.qkv_bias, qq, qkv_name), [H * D, KVH * D, KVH * D])
     q, k, v = ops.heads(q, H, D), ops.heads(k, KVH, D), ops.heads(v, KVH, D)
     if w.q_norm is not None and w.k_norm is not None:
         q, k = ops.rms_norm(q, w.q_norm, eps), ops.rms_norm(k, w.k_norm, eps)
-    table = spec.rope_of(n)
-    if table is not None:
-        q, k = ops.rope(q, table), ops.rope(k, table)
-    scale = spec.attn_scale if spec.attn_scale is not None else D ** -0.5
-    a = ops.attention(q, k, v, Attention(n, H, KVH, D, scale, spec.window(n), spec.attn_softcap))
-    o = ops.linear(a, w.o, w.o_bias, _quant(spec, p + "self_attn.o_proj"), p + "self_attn.o_proj")
+    if plan.table is not None:
+        q, k = ops.rope(q, plan.table), ops.rope(k, plan.table)
+    o = ops.linear(ops.attention(q, k, v, plan.attention), w.o, w.o_bias, qo, o_name)
     if w.attn_out_norm is not None:
         o = ops.rms_norm(o, w.attn_out_norm, eps)
     x = ops.add(x, o)
     h = ops.rms_norm(x, w.post_norm, eps)
-    gu = ops.linear(h, w.gate_up, None, _quant(spec, p + "mlp.gate_up_proj"), p + "mlp.gate_up_proj")
-    gate, up = ops.split(gu, [spec.intermediate_size, spec.intermediate_size])
-    m = ops.mul(ops.activation(gate, spec.activation), up)
-    m = ops.linear(m, w.down, None, _quant(spec, p + "mlp.down_proj"), p + "mlp.down_proj")
+    gate, up = ops.split(ops.linear(h, w.gate_up, None, qgu, gu_name), [spec.intermediate_size] * 2)
+    m = ops.linear(ops.mul(ops.activation(gate, spec.activation), up), w.down, None, qd, down_name)
     if w.mlp_out_norm is not None:
         m = ops.rms_norm(m, w.mlp_out_norm, eps)
     return ops.add(x, m)
@@ -236,8 +257,9 @@ def forward(spec: DecoderSpec, ops: DecoderOps[T], layers: tuple[int, int] | Non
             x = ops.scale(x, spec.embed_scale)
     else:
         x = ops.hidden_in()
+    plans = _plans(spec)
     for n in range(a, b):
-        x = _layer(spec, ops, n, x, w.layers[n])
+        x = _layer(spec, ops, plans[n], x, w.layers[n])
     if not head:
         return x
     y = ops.linear(ops.rms_norm(ops.logit_rows(x), w.norm, spec.rms_norm_eps), w.head, None,

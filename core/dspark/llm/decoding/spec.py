@@ -11,43 +11,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dspark.llm.runner.torch_ops import family_fields
 from dspark.sdk.decoder import DecoderSpec, DecoderWeights, LayerWeights
 from dspark.types import QuantSpec
 
 if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
-
-
-_ACTIVATION = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-
-
-def features(runner: ModelRunner) -> frozenset[str]:
-    """What the model needs beyond a plain Llama decoder (dspark.sdk.decoder.FEATURES)."""
-    c = runner.cfg
-    f: set[str] = set()
-    if c.attention_bias:
-        f.add("qkv_bias")
-    if c.o_bias:
-        f.add("o_bias")
-    if c.qk_norm:
-        f.add("qk_norm")
-    if c.hidden_act not in ("silu", "swish"):
-        f.add("gelu_tanh" if "tanh" in c.hidden_act else "gelu")
-    if c.gemma or c.local_rope is not None:
-        f.add("gemma")
-    if any(w is not None for w in runner.windows):
-        f.add("sliding_window")
-    if c.attn_logit_softcapping is not None or c.final_logit_softcapping is not None:
-        f.add("softcap")
-    if any(r.by_context for r in runner.ropes):
-        f.add("context_rope")
-    if c.partial_rotary_factor != 1.0:
-        f.add("partial_rotary")
-    if any(r is None for r in runner.layer_rope):
-        f.add("no_rope_layers")
-    if c.query_pre_attn_scalar is not None:
-        f.add("attn_scale")
-    return frozenset(f)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -137,18 +106,12 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
     def rope_fn(n: int) -> tuple[np.ndarray, np.ndarray]:
         return rope_tables_fn(0, n)
 
+    fields = family_fields(runner)
+    fields["features"] = fields["features"] | extra_features
     return DecoderSpec(
         name=path.name, path=str(path), fingerprint=fingerprint(path, runner, {k: v.model_dump() for k, v in (quantization or {}).items()}),
-        architecture=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, features=features(runner) | extra_features,
-        dtype=str(runner.dtype).removeprefix("torch."), layers=layers or (0, c.num_hidden_layers),
+        layers=layers or (0, c.num_hidden_layers),
         exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
-        weights_fn=weights_fn, rope_fn=rope_fn, rope_tables_fn=rope_tables_fn,
-        windows=tuple(runner.windows), layer_rope=tuple(runner.layer_rope), rotary_dim=ropes[0].dim,
-        attn_scale=runner.attn_scale, attn_softcap=c.attn_logit_softcapping, final_softcap=c.final_logit_softcapping,
-        embed_scale=None if runner.embed_scale is None else float(runner.embed_scale),
-        activation=_ACTIVATION.get(c.hidden_act, c.hidden_act))
+        weights_fn=weights_fn, rope_fn=rope_fn, rope_tables_fn=rope_tables_fn, **fields)

@@ -31,8 +31,10 @@ from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import load_checkpoint, resolve_dtype
-from dspark.llm.runner.rope import Rope, apply_rope, longrope_splits
+from dspark.llm.runner.rope import Rope, longrope_splits
+from dspark.llm.runner.torch_ops import RunnerOps, RunnerWeights, runner_spec
 from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
+from dspark.sdk.family import forward
 
 __all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
 
@@ -297,6 +299,25 @@ class ModelRunner:
         c = self.cfg
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
+    def _spec(self) -> Any:
+        if self._family_spec is None:
+            self._family_spec = runner_spec(self)
+        return self._family_spec
+
+    def _ops(self) -> RunnerOps:
+        if self._runner_ops is None:
+            self._runner_ops = RunnerOps(self)
+        return self._runner_ops
+
+    def _weights(self) -> RunnerWeights:
+        if self._runner_weights is None:
+            self._runner_weights = RunnerWeights(self)
+        return self._runner_weights
+
+    _family_spec: Any = None
+    _runner_ops: RunnerOps | None = None
+    _runner_weights: RunnerWeights | None = None
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Same op order as HF LlamaRMSNorm: statistics in fp32, scale in model dtype; a float32 weight on
         # half-precision x is Gemma's (1 + w), which scales in fp32 too. The fused kernel saves four
@@ -363,14 +384,12 @@ class ModelRunner:
         return out
 
     def _step(self, cache: PagedKVCache, chunks: list[SeqChunk], exit_layer: int | None) -> list[torch.Tensor]:
-        c = self.cfg
         if self.longrope_orig is not None:
             self._longrope_switch(cache, chunks)
             for ch in chunks:
                 have = cache.tokens.setdefault(ch.seq_id, [])
                 del have[cache.seq_lens.get(ch.seq_id, 0):]
                 have.extend(ch.token_ids)
-        H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         starts: list[int] = []
         for ch in chunks:
             if not ch.token_ids:
@@ -410,51 +429,14 @@ class ModelRunner:
         plan = StepAttention(cache, chunks, starts, offsets, self._kernel(cache), self.windows)
 
         devs = self.layer_devices
-        x = self._lookup(tokens if devs is None else tokens.to(self.embed.device))
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        T = x.shape[0]
-        for li, L in enumerate(self.layers if exit_layer is None else self.layers[:exit_layer]):
-            if devs is not None and devs[li] != x.device:
-                # Crossing to another device: the hidden state and the step's small plan tensors move.
-                d = devs[li]
-                x, write_slots = x.to(d), write_slots.to(d)
-                rope_cs = [(c.to(d), s_.to(d)) for c, s_ in rope_cs]
-                plan.to(d)
-            h = self._rms(x, L.in_norm)
-            qkv = L.f_qkv(h) if L.f_qkv is not None else mm(h, L.w_qkv_t, L.p_qkv, True)
-            if L.b_qkv is not None:
-                qkv = qkv + L.b_qkv
-            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-            if L.q_norm is not None and L.k_norm is not None:
-                qk = torch.cat([self._rms(qk[:, :H], L.q_norm), self._rms(qk[:, H:], L.k_norm)], dim=1)
-            ri = self.layer_rope[li]
-            if ri is not None:
-                qk = apply_rope(qk, *rope_cs[ri])  # q and k in one go
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-            kc, vc = cache.k[li], cache.v[li]
-            kc.view(-1, KVH, D)[write_slots] = k
-            vc.view(-1, KVH, D)[write_slots] = v
-            attn = plan(q, kc, vc, window=self.windows[li], scale=self.attn_scale,
-                        softcap=self.cfg.attn_logit_softcapping)
-            a = attn.reshape(T, H * D)
-            o_ = L.f_o(a) if L.f_o is not None else mm(a, L.w_o, L.p_o, False)
-            if L.b_o is not None:
-                o_ = o_ + L.b_o
-            if L.attn_out_norm is not None:
-                o_ = self._rms(o_, L.attn_out_norm)
-            x = x + o_
-            h = self._rms(x, L.post_norm)
-            mlp = self._offloaded_mlp(li, h) if self.mlp_offload is not None and multi else None
-            if mlp is None:
-                gu = L.f_gate_up(h) if L.f_gate_up is not None else mm(h, L.w_gate_up_t, L.p_gate_up, True)
-                g, u = gu.chunk(2, dim=-1)
-                a = self.act(g) * u
-                mlp = L.f_down(a) if L.f_down is not None else mm(a, L.w_down, L.p_down, False)
-            if L.mlp_out_norm is not None:
-                mlp = self._rms(mlp, L.mlp_out_norm)
-            x = x + mlp
+        # The layers are dspark.sdk.family.forward, the definition every plugin lowers, on this runner's ops.
+        ops = self._ops()
+        ops.begin(cache, tokens if devs is None else tokens.to(self.embed.device), write_slots, rope_cs, plan, multi)
+        try:
+            x = forward(self._spec(), ops, (0, len(self.layers) if exit_layer is None else exit_layer), head=False,
+                        weights=self._weights())
+        finally:
+            ops.end()
 
         for s, ch in zip(starts, chunks):
             cache.set_len(ch.seq_id, s + len(ch.token_ids))
