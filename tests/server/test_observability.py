@@ -292,7 +292,10 @@ def test_stats_logger_rates_and_stop(logs: list[dict[str, Any]]) -> None:
 
 
 def test_describe_runtime_of_a_plain_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
     from dspark.host.plugin_manager import PluginHost
+    from dspark.llm import AsyncLLMEngine
 
     hooks: list[str] = []  # every hook asked of the plugins: none (an import each, no device probing)
     real_call, real_call_all = PluginHost.call, PluginHost.call_all
@@ -307,16 +310,20 @@ def test_describe_runtime_of_a_plain_engine(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(PluginHost, "call", call)
     monkeypatch.setattr(PluginHost, "call_all", call_all)
-    runner = SimpleNamespace(dtype="torch.float32")
-    eng = SimpleNamespace(placement=None, dense_offload=None, dense_offload_decision=None, runner=runner,
-                          quant_plan=None, spec=None)
-    rt = describe_runtime(SimpleNamespace(engine=eng))
+    model = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+    engine = AsyncLLMEngine.from_pretrained(model, dtype="float32", decoder="torch")
+    try:
+        rt = describe_runtime(engine)  # through the engine's own layout(), nothing read off its insides
+    finally:
+        engine.shutdown()
     assert hooks == []
     assert rt.devices == ["cpu"] and rt.plugins_used == ["torch"] and rt.target == "torch on cpu (float32)"
     assert "torch" in rt.plugins and rt.device == "cpu" and rt.plugin == "torch"
 
 
 def test_describe_runtime_of_a_placed_engine() -> None:
+    from dspark.llm.assembly.layout import describe
+
     def piece(dev: str, plugin: str) -> Any:
         return SimpleNamespace(device_id=dev, plugin=plugin)
 
@@ -327,7 +334,7 @@ def test_describe_runtime_of_a_placed_engine() -> None:
     eng = SimpleNamespace(placement=placement, dense_offload=None, dense_offload_decision=None,
                           runner=SimpleNamespace(dtype="torch.float16"), quant_plan=None, spec=spec,
                           plugin_host=host)
-    rt = describe_runtime(eng)
+    rt = describe_runtime(SimpleNamespace(layout=lambda: describe(eng)))
     assert rt.devices == ["cpu", "cuda:0"] and rt.plugins == ["torch", "cuda", "cpu"]
     assert rt.plugins_used == ["torch", "cuda", "cpu", "ngram"]
     assert rt.target == "torch on cpu+cuda:0 (layers placed by the placer) (float16)"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dspark.llm.engine import EngineStats, LLMEngine, RequestOutput
+from dspark.llm.outputs import EngineLayout
 from dspark.llm.inputs import InputProcessor
 from dspark.llm.runner.types import Work
 from dspark.llm.sampling import SamplingParams
@@ -313,6 +314,11 @@ class AsyncLLMEngine:
         """:meth:`LLMEngine.observe`: ``fn`` is called on the engine thread; keep it short."""
         with self._lock:
             self.engine.observe(fn)
+
+    def layout(self) -> EngineLayout:
+        """:meth:`LLMEngine.layout`: what runs the model and where."""
+        with self._lock:
+            return self.engine.layout()
 
     def shutdown(self) -> None:
         self._stop = True

@@ -24,7 +24,7 @@ from dspark.llm.logits import (
     token_logprobs,
 )
 from dspark.llm.runner.types import SeqChunk, Work
-from dspark.llm.outputs import EngineStats, RequestOutput, Usage
+from dspark.llm.outputs import EngineLayout, EngineStats, RequestOutput, Usage
 from dspark.llm.sampling import SamplingParams, sample
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
@@ -340,6 +340,12 @@ class LLMEngine:
         """Tell ``fn(work, seconds)`` how long each forward, early-exit draft step and offloaded MLP call
         takes (:class:`~dspark.llm.runner.types.StepObservers`); the server's metrics use it."""
         self.runner.observers.add(fn)
+
+    def layout(self) -> EngineLayout:
+        """What runs the model and where (the decoder running now, placement, offload, drafters, plugins)."""
+        from dspark.llm.assembly.layout import describe
+
+        return describe(self)
 
     def stats(self) -> EngineStats:
         kv = self.cache.stats()

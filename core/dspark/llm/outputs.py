@@ -8,7 +8,7 @@ from typing import Any
 
 from dspark.llm.logits import TokenLogprobs
 
-__all__ = ["EngineStats", "RequestOutput", "Usage"]
+__all__ = ["EngineLayout", "EngineStats", "RequestOutput", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,17 @@ class EngineStats:
     host_ms_per_step: float = 0.0
     decoder: str = "torch"  # what runs the decoder now ("cpu@cpu", "torch", ...)
     decoder_failovers: int = 0
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What runs the model and where, as an engine reports it (``LLMEngine.layout``): what a server logs,
+    labels its metrics with and reports per trace, without reaching into the engine."""
+
+    target: str  # e.g. "torch on cpu (float32)", "cpu@cpu (openvino/CPU), measured fastest (...)"
+    devices: list[str]  # devices holding a piece of the model: "cpu", "cuda:0" ...
+    plugins: list[str]  # plugins loaded and taking calls
+    plugins_used: list[str]  # plugins the engine's pieces run through (decoder, placement, MLP offload, drafters)
+    drafters: list[str] | None  # the speculative decoder's drafters; None: the engine drafts nothing
+    placement: Any = None  # dspark.llm.placement.LayerPlacement when the torch runner's layers were placed
+    mlp: tuple[str, str] | None = None  # (plugin, device) running the torch runner's prefill MLPs

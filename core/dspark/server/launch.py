@@ -48,17 +48,17 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _log_scheduler(cfg: ServerConfig, engine_spec: Any) -> str | None:
-    """Log what scheduling is used; returns the speculative strategy in effect (None = off)."""
+def _log_scheduler(cfg: ServerConfig, drafters: list[str] | None) -> str | None:
+    """Log what scheduling is used; returns the speculative strategy in effect (None = off). ``drafters``:
+    the engine's (``EngineLayout.drafters``; None: it drafts nothing)."""
     e = cfg.engine
     spec = e.speculative_decoding
     strategy = spec.strategy if spec.active else None
     if strategy is not None:
-        drafters = [getattr(h, "name", str(h)) for h in getattr(engine_spec, "handles", [])]
         log.info("Initializing DeepSpec scheduler..." if strategy == "deepspec" else "Initializing speculative decoding...",
                  strategy=strategy, draft_model=spec.draft_model, num_speculative_tokens=spec.num_speculative_tokens,
-                 conservative=spec.conservative, drafters=drafters)
-        if engine_spec is None:  # an engine without a drafting step: say so rather than pretend
+                 conservative=spec.conservative, drafters=drafters or [])
+        if drafters is None:  # an engine without a drafting step: say so rather than pretend
             log.warning("speculative decoding is configured but this engine does not implement it; decoding one "
                         "token per step (the dspark_spec_decode_* metrics stay 0)", strategy=strategy)
             strategy = None
@@ -107,9 +107,9 @@ def load_engine(cfg: ServerConfig) -> tuple[Any, Any, str | None]:
     log.info(f"Model loaded in {dt:.1f}s.", seconds=round(dt, 3), model=cfg.served_name(),
              max_model_len=engine.inputs.max_model_len, kv_cache_tokens=engine.inputs.kv_tokens,
              kv_cache_bytes=engine.stats().kv_total_bytes)
-    strategy = _log_scheduler(cfg, engine.engine.spec)
-    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy,
-                            placement=engine.engine.placement)
+    layout = engine.layout()
+    strategy = _log_scheduler(cfg, layout.drafters)
+    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy, placement=layout.placement)
     metrics.instrument_engine(engine)
     return engine, metrics, strategy
 

@@ -219,8 +219,8 @@ class ServerMetrics:
 
     def instrument_engine(self, engine: AsyncLLMEngine) -> None:
         """Time each forward step and each offloaded MLP call, labelled by who runs it."""
-        eng = engine.engine
-        placement = getattr(eng, "placement", None)
+        lay = engine.layout()
+        placement = lay.placement
         devices = "cpu" if placement is None else "+".join(sorted({p.device_id for p in placement.layers}))
         if placement is not None:
             for part in placement.plan.partitions:
@@ -228,9 +228,8 @@ class ServerMetrics:
         # torch executes the layers wherever the placer put them; the forward is the torch partition.
         hists = {"forward": self.partition.labels("torch", devices, "forward"),
                  "draft": self.partition.labels("torch", devices, "draft")}  # self-drafting: the first layers only
-        decision = eng.dense_offload_decision
-        if eng.dense_offload is not None and decision is not None:  # the torch runner's prefill MLPs
-            hists["mlp"] = self.partition.labels(decision.plugin, decision.device_id, "mlp")
+        if lay.mlp is not None:  # the torch runner's prefill MLPs
+            hists["mlp"] = self.partition.labels(*lay.mlp, "mlp")
         engine.observe(lambda work, seconds: hists[work].observe(seconds) if work in hists else None)
 
 

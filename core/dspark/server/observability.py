@@ -220,55 +220,9 @@ class RuntimeInfo:
 
 
 def describe_runtime(engine: Any) -> RuntimeInfo:
-    """Read from what the engine built (its placement, dense offload, drafters, its plugin host); for a
-    stand-in engine without a host, the plugins are loaded (an import each, no device probing)."""
-    eng = getattr(engine, "engine", engine)
-    placement = getattr(eng, "placement", None)
-    used: list[str] = ["torch"]
-    if placement is not None:
-        pieces = [placement.embed, *placement.layers, placement.head]
-        devices = sorted({p.device_id for p in pieces}, key=lambda d: (d != "cpu", d))
-        used += [p.plugin for p in pieces]
-        target = f"torch on {'+'.join(devices)} (layers placed by the placer)"
-    else:
-        devices = ["cpu"]
-        target = "torch on cpu"
-        current = getattr(getattr(eng, "runner", None), "current", None)  # a plugin's compiled decoder
-        if current is not None and current.plugin:
-            used.append(current.plugin)
-            devices = [current.device_id]
-            choice = getattr(eng, "decoder_choice", None)
-            target = f"{current.label} ({current.runtime})" + (f", {choice.reason}" if choice is not None else "")
-    decision = getattr(eng, "dense_offload_decision", None)
-    if getattr(eng, "dense_offload", None) is not None and decision is not None and decision.plugin:
-        used.append(decision.plugin)
-        if decision.device_id not in devices:
-            devices.append(decision.device_id)
-        target += f", prefill MLP on {decision.plugin}@{decision.device_id}"
-    runner = getattr(eng, "runner", None)
-    dtype = str(getattr(runner, "dtype", "")).replace("torch.", "")
-    if dtype:
-        target += f" ({dtype})"
-    quant = getattr(eng, "quant_plan", None)
-    if quant is not None:
-        target += ", quantized"
-    spec = getattr(eng, "spec", None)
-    if spec is not None:
-        for h in getattr(spec, "handles", []) or []:
-            plugin = getattr(h, "plugin", None)
-            if plugin:
-                used.append(str(plugin))
-    plugins: list[str] = []
-    try:
-        host = getattr(eng, "plugin_host", None)  # the engine's one host (placement, quantization, drafters)
-        if host is None:  # a stand-in engine without one
-            from dspark.host.plugin_manager import PluginHost
-
-            host = PluginHost().load()
-        plugins = list(host.active())
-    except Exception as e:  # a broken plugin install must not stop the server: say so and go on
-        log.warning("could not list the plugins", error=repr(e))
-    return RuntimeInfo(devices=devices, plugins=plugins, plugins_used=list(dict.fromkeys(used)), target=target)
+    """What the engine reports of itself (:meth:`dspark.llm.AsyncLLMEngine.layout`), as the log and traces say it."""
+    lay = engine.layout()
+    return RuntimeInfo(devices=lay.devices, plugins=lay.plugins, plugins_used=lay.plugins_used, target=lay.target)
 
 
 __all__ = ["GENERATION_PATHS", "Observability", "RequestObservability", "RuntimeInfo", "StatsLogger",

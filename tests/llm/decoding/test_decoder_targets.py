@@ -135,6 +135,9 @@ def test_speculative_decoding_on_the_target_is_lossless() -> None:
     # The draft model's own decoder was placed the same way.
     draft = next(h.obj for h in e.spec.handles if h.kind == "model")
     assert draft.decoder_choice is not None and draft.decoder_choice.chosen == "cpu@cpu"
+    lay = e.layout()  # what a server reports, from the engine itself
+    assert lay.target.startswith("cpu@cpu (openvino") and lay.devices == ["cpu"] and "cpu" in lay.plugins_used
+    assert lay.drafters and lay.placement is None and lay.mlp is None
 
 
 def test_self_drafting_exit_layer_on_the_target() -> None:
