@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.testing import engine_tokens, tiny_checkpoint
@@ -64,3 +65,45 @@ def test_longrope_crosses_its_switch_on_the_ops_as_the_torch_runner_does(tmp_pat
                            speculative_decoding={"strategy": "fixed", "drafters": ["self"], "exit_layer": 1})
     assert e.stats().decoder == "numpy@cpu" and e.stats().spec_drafts > 0
     assert got == ref
+
+
+def test_a_new_plugin_version_is_timed_again(tmp_path: Path) -> None:
+    """decoder="auto" times every bidder once per model and keeps the timings on disk; the key holds the
+    plugin's version, so a new release is measured again rather than trusted on old figures."""
+    path = tiny_checkpoint(tmp_path / "llama", "llama")
+    compiled: list[str] = []
+
+    class Counted:
+        """The numpy plugin's decoder hooks, counting compiles."""
+
+        DSPARK_API_VERSION = "1.10"
+
+        def __init__(self, version: str) -> None:
+            self.version = version
+
+        @hookimpl
+        def dspark_probe_devices(self, refresh: bool) -> Any:
+            return dspark_numpy.dspark_probe_devices(refresh)
+
+        @hookimpl
+        def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+            return dspark_numpy.dspark_decoder_bid(decoder, device)
+
+        @hookimpl
+        def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+            compiled.append(self.version)
+            return dspark_numpy.dspark_compile_decoder(decoder, device)
+
+    def start(version: str) -> None:
+        h = PluginHost(PluginSettings())
+        h.register(Counted(version), "numpy", version=version)
+        h.load()
+        engine_tokens(path, "auto", plugin_host=h, prompts=([5, 9, 13],), max_tokens=2)
+
+    start("0.1.0")
+    first = len(compiled)  # once to time it, and once more if it won
+    start("0.1.0")  # warm: the same ranking from the cache, so the same winner, and nothing compiled to time
+    warm = len(compiled) - first
+    start("0.2.0")
+    assert first >= 1 and warm == first - 1, compiled
+    assert compiled[first + warm:] and set(compiled[first + warm:]) == {"0.2.0"}, compiled  # timed again

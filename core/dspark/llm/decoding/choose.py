@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
-_NAMESPACE = "decoder-timings-v2"  # v2: each target timed beside the torch runner
+_NAMESPACE = "decoder-timings-v3"  # v3: keyed by the plugin's version too; decoders run sdk/family (API 1.10)
 _PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
 _CONTEXT = 128  # tokens each timed sequence holds
 
@@ -344,9 +344,15 @@ def _beat(first: Target, ranked: list[Target]) -> str:
     return "beat " + ", ".join(others) if others else "alone"
 
 
-def _key(t: Target, spec: DecoderSpec, shape_names: list[str]) -> dict[str, Any]:
+def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost) -> dict[str, Any]:
+    """A target's timings are kept per model, runtime, threads and shapes, and per version of the plugin
+    that compiled it (and of dspark, whose decoder definition it runs): a new release is timed again."""
+    from dspark import __version__
+
+    rec = host.records.get(t.plugin or "")
     return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
-            "shapes": shape_names, "context": _CONTEXT}
+            "shapes": shape_names, "context": _CONTEXT, "plugin_version": rec.version if rec is not None else "",
+            "dspark": __version__}
 
 
 def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
@@ -364,7 +370,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
     max_seqs = max(s.seqs for s in sl)
     ref_bench: Bench | None = None
     for t in targets:
-        cached = disk.load(_NAMESPACE, _key(t, spec, names))
+        cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
         if cached is None:
             if not _ready(t, reference, spec, host, declined):
                 continue
@@ -379,7 +385,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                           context=ctx, max_rows=130, vocab=vocab)
             timed = time_targets({t.label: bench, REFERENCE: ref_bench}, sl)
             cached = {"step_ms": timed[t.label], "reference_ms": timed[REFERENCE]}
-            disk.store(_NAMESPACE, _key(t, spec, names), cached)
+            disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
             del dr, bench
             t.release()  # compiled again if it wins, or if a failover reaches it
             hostinfo.return_freed_memory()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from dspark import hookimpl
 from dspark.graph import Op, Subgraph
@@ -102,16 +103,24 @@ def _unsupported(subgraph: Subgraph) -> str | None:
     return None
 
 
+def one_blas_thread() -> threadpool_limits:
+    """NumPy's BLAS on one thread while this plugin computes: OpenBLAS's threaded GEMM, called from the
+    host's worker threads on a machine busy with other work, was seen to hang (1 call in 6 under a
+    training run, none on an idle machine); the plugin measures its peak on one thread and runs on one."""
+    return threadpool_limits(limits=1, user_api="blas")
+
+
 def _peak_flops(refresh: bool) -> float:
     """float32 matmul throughput of this host with this NumPy build, measured once and cached."""
-    key = {"bench": "numpy-matmul-v1", "numpy": np.__version__, **hostinfo.fingerprint()}
+    key = {"bench": "numpy-matmul-v2-one-thread", "numpy": np.__version__, **hostinfo.fingerprint()}
     if not refresh and (hit := cache.load(_CACHE_NS, key)) is not None:
         return float(hit)
     n = 256
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
-    seconds = time_call(lambda: a @ b, warmup=2, repeat=7, budget_s=0.3)
+    with one_blas_thread():
+        seconds = time_call(lambda: a @ b, warmup=2, repeat=7, budget_s=0.3)
     value = 2.0 * n**3 / max(seconds, 1e-9)
     cache.store(_CACHE_NS, key, value)
     return value
@@ -158,6 +167,10 @@ class NumpyExecutable:
         self.steps: list[tuple[Op, Kernel]] = [(op, KERNELS[op.op_type]) for op in subgraph.ops]
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with one_blas_thread():
+            return self._run(inputs)
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         env: dict[str, Any] = dict(self.weights)
         for name in self.inputs:
             env[name] = np.asarray(inputs[name])

@@ -158,16 +158,18 @@ class NumpyDecoder:
         return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(*s.layers)]
 
     def step(self, kv: list[tuple[np.ndarray, np.ndarray]], batch: StepBatch) -> np.ndarray:
+        from dspark_numpy import one_blas_thread  # (the package imports this module)
+
         self.ops.bind(kv, batch)
         try:
-            if batch.exit_layer is not None and batch.exit_layer < self.spec.layers[1]:
-                out = forward(self.spec, self.ops, (self.spec.layers[0], batch.exit_layer), head=True,
-                              weights=self.weights)
-            else:
-                out = forward(self.spec, self.ops, weights=self.weights)
+            with one_blas_thread():
+                if batch.exit_layer is not None and batch.exit_layer < self.spec.layers[1]:
+                    out = forward(self.spec, self.ops, (self.spec.layers[0], batch.exit_layer), head=True,
+                                  weights=self.weights)
+                else:
+                    out = forward(self.spec, self.ops, weights=self.weights)
         finally:
-            self.ops.bind([], batch)
-            self.ops.batch = None
+            self.ops.batch, self.ops.kv = None, []
         return np.ascontiguousarray(out, dtype=np.float32)
 
 
