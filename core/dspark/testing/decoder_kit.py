@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from dspark.sdk.decoder import CompiledDecoder, DecoderSpec, SequenceDecoder
     from dspark.testing.kit import ConformanceKit
 
-__all__ = ["FAMILIES", "WINDOW", "check_decoder", "check_decoders", "decoder_spec", "engine_tokens", "tiny_checkpoint"]
+__all__ = ["FAMILIES", "WINDOW", "check_decoder", "check_decoders", "decoder_spec", "engine_tokens", "random_checkpoint",
+           "tiny_checkpoint"]
 
 WINDOW = 8  # sliding windows: the check's prompts run past it
 TOLERANCE = 1e-3  # float32 logits: rounding only
@@ -86,23 +87,28 @@ DECODER_VARIANTS = ("llama", "qwen2", "qwen3_sliding_yarn", "smollm3", "phi4_min
                     "gemma3", "mistral_sliding")
 
 
-def tiny_checkpoint(out: Path, variant: str, seed: int = 0, **overrides: Any) -> Path:
-    """A random checkpoint of ``variant`` (a key of :data:`FAMILIES`) saved to ``out`` by transformers;
-    norm weights and biases get noise so that every norm and Gemma's ``(1 + w)`` really scale."""
+def random_checkpoint(out: Path, prefix: str, seed: int = 0, **config: Any) -> Path:
+    """A transformers ``{prefix}ForCausalLM`` with random weights, saved to ``out``; norm weights and biases
+    get noise, so that every norm (Gemma's ``(1 + w)`` too) and bias really acts."""
     import torch
     import transformers
 
-    prefix, kw = FAMILIES[variant]
     cfg_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**COMMON, **kw, **overrides})).eval()
+    model = model_cls(cfg_cls(**config)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def tiny_checkpoint(out: Path, variant: str, seed: int = 0, **overrides: Any) -> Path:
+    """A random checkpoint of ``variant`` (a key of :data:`FAMILIES`) saved to ``out`` by transformers."""
+    prefix, kw = FAMILIES[variant]
+    return random_checkpoint(out, prefix, seed, **{**COMMON, **kw, **overrides})
 
 
 def _runner(path: Path | str, dtype: str) -> Any:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from llm_testutil import train_tokenizer
 
+from dspark.testing.decoder_kit import random_checkpoint
+
 QK_K = 256
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -44,22 +46,13 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def make_checkpoint(out: Path, arch: str, seed: int = 0) -> Path:
     """A tiny random checkpoint of ``arch`` with the trained byte-level BPE tokenizer (llm_testutil)."""
-    import transformers
     from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     train_tokenizer(out)
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     prefix, kw = ARCHS[arch]
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{prefix}Config")(vocab_size=vocab, **COMMON, **kw)
-    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return random_checkpoint(out, prefix, seed, vocab_size=vocab, **COMMON, **kw)
 
 
 # -- K-quant packing (the layouts gguf.quants.Q4_K / Q6_K.dequantize_blocks read) -----------------------------
