@@ -120,6 +120,7 @@ class TorchOps:
         self.d = owner
         self._dev: dict[int, torch.Tensor] = {}
         self._keep: list[np.ndarray] = []  # the arrays keyed by id stay alive
+        self._scales: dict[float, torch.Tensor] = {}
         self.kv: KVCache | None = None
         self.inp: _Inputs | None = None
 
@@ -150,7 +151,9 @@ class TorchOps:
         return self._i().hidden.to(self.d.dtype)  # type: ignore[union-attr]
 
     def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
-        return x * torch.tensor(factor, dtype=self.d.dtype)  # rounded to the model dtype, as the reference
+        if factor not in self._scales:  # rounded to the model dtype, as the reference; made once, not per step
+            self._scales[factor] = torch.tensor(factor, dtype=self.d.dtype, device=self.d.device)
+        return x * self._scales[factor]
 
     def rms_norm(self, x: torch.Tensor, weight: np.ndarray, eps: float) -> torch.Tensor:
         # The reference's op order (HF LlamaRMSNorm): statistics in float32, scale in the model dtype.

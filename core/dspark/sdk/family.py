@@ -31,6 +31,7 @@ k then v, ``gate_up`` columns gate then up); Gemma's ``(1 + w)`` norms are folde
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -201,8 +202,11 @@ class _LayerPlan:
     attention: Attention
 
 
+_PLANS: dict[int, list[_LayerPlan]] = {}  # id of a live spec -> its layers' plans (dropped with the spec)
+
+
 def _plans(spec: DecoderSpec) -> list[_LayerPlan]:
-    plans: list[_LayerPlan] | None = spec.__dict__.get("_family_plans")  # a cache on the frozen spec
+    plans = _PLANS.get(id(spec))
     if plans is None:
         H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         scale = spec.attn_scale if spec.attn_scale is not None else D ** -0.5
@@ -212,7 +216,8 @@ def _plans(spec: DecoderSpec) -> list[_LayerPlan]:
             names = (p + "self_attn.qkv_proj", p + "self_attn.o_proj", p + "mlp.gate_up_proj", p + "mlp.down_proj")
             plans.append(_LayerPlan(names, tuple(_quant(spec, m) for m in names), spec.rope_of(n),
                                     Attention(n, H, KVH, D, scale, spec.window(n), spec.attn_softcap)))
-        spec.__dict__["_family_plans"] = plans
+        _PLANS[id(spec)] = plans
+        weakref.finalize(spec, _PLANS.pop, id(spec), None)
     return plans
 
 
