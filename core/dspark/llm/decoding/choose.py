@@ -344,15 +344,22 @@ def _beat(first: Target, ranked: list[Target]) -> str:
     return "beat " + ", ".join(others) if others else "alone"
 
 
+def _dspark_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dspark")
+    except PackageNotFoundError:  # a source tree on the path, not installed
+        return ""
+
+
 def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost) -> dict[str, Any]:
     """A target's timings are kept per model, runtime, threads and shapes, and per version of the plugin
     that compiled it (and of dspark, whose decoder definition it runs): a new release is timed again."""
-    from dspark import __version__
-
     rec = host.records.get(t.plugin or "")
     return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
             "shapes": shape_names, "context": _CONTEXT, "plugin_version": rec.version if rec is not None else "",
-            "dspark": __version__}
+            "dspark": _dspark_version()}
 
 
 def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
