@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from dspark import hookimpl
 from dspark.graph import Op, Subgraph
@@ -22,6 +21,7 @@ from dspark.sdk import cache, calibration, hostinfo, time_call
 from dspark.sdk.decoder import DecoderSpec
 from dspark.types import Bid, DecoderBid, Device
 from dspark_numpy import decoder as _decoder
+from dspark_numpy.blas import one_blas_thread
 
 __version__ = "0.1.0"
 DSPARK_API_VERSION = "1.10"  # the plugin contract this was written against (dspark.sdk.family)
@@ -101,13 +101,6 @@ def _unsupported(subgraph: Subgraph) -> str | None:
             if spec is None or spec.dtype != want:
                 return f"{op.op_type} tensor {t!r} is {spec.dtype if spec else 'untyped'}, kernels need {want}"
     return None
-
-
-def one_blas_thread() -> threadpool_limits:
-    """NumPy's BLAS on one thread while this plugin computes: OpenBLAS's threaded GEMM, called from the
-    host's worker threads on a machine busy with other work, was seen to hang (1 call in 6 under a
-    training run, none on an idle machine); the plugin measures its peak on one thread and runs on one."""
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _peak_flops(refresh: bool) -> float:

@@ -19,6 +19,7 @@ from dspark.sdk import QuantizedWeight, dequantize, quantize_weight, reference_l
 from dspark.sdk.decoder import DecoderSpec, StepBatch
 from dspark.sdk.family import Attention, decline, forward
 from dspark.types import DecoderBid, Device, QuantSpec
+from dspark_numpy.blas import one_blas_thread
 
 BLOCK_SIZE = 16
 RUNTIME = "numpy"
@@ -158,8 +159,6 @@ class NumpyDecoder:
         return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(*s.layers)]
 
     def step(self, kv: list[tuple[np.ndarray, np.ndarray]], batch: StepBatch) -> np.ndarray:
-        from dspark_numpy import one_blas_thread  # (the package imports this module)
-
         self.ops.bind(kv, batch)
         try:
             with one_blas_thread():
