@@ -18,6 +18,7 @@ the weightless spec the runner runs the definition with.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -121,18 +122,14 @@ class _LayerView:
     def __init__(self, layer: Layer) -> None:
         self.L = layer
 
-    in_norm = property(lambda s: s.L.in_norm)
-    post_norm = property(lambda s: s.L.post_norm)
-    qkv = property(lambda s: s.L.w_qkv_t)
-    o = property(lambda s: s.L.w_o)
-    gate_up = property(lambda s: s.L.w_gate_up_t)
-    down = property(lambda s: s.L.w_down)
-    qkv_bias = property(lambda s: s.L.b_qkv)
-    o_bias = property(lambda s: s.L.b_o)
-    q_norm = property(lambda s: s.L.q_norm)
-    k_norm = property(lambda s: s.L.k_norm)
-    attn_out_norm = property(lambda s: s.L.attn_out_norm)
-    mlp_out_norm = property(lambda s: s.L.mlp_out_norm)
+
+# LayerWeights name -> the runner Layer's attribute.
+_LAYER_NAMES = {"in_norm": "in_norm", "post_norm": "post_norm", "qkv": "w_qkv_t", "o": "w_o",
+                "gate_up": "w_gate_up_t", "down": "w_down", "qkv_bias": "b_qkv", "o_bias": "b_o",
+                "q_norm": "q_norm", "k_norm": "k_norm", "attn_out_norm": "attn_out_norm",
+                "mlp_out_norm": "mlp_out_norm"}
+for _name, _attr in _LAYER_NAMES.items():
+    setattr(_LayerView, _name, property(operator.attrgetter(f"L.{_attr}")))
 
 
 class RunnerWeights:
