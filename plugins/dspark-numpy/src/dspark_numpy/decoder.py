@@ -185,8 +185,9 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
     hid, D = spec.hidden_size, spec.head_dim
     per_layer = 4 * hid * ((spec.num_heads + 2 * spec.num_kv_heads) * D + spec.num_heads * D
                            + 3 * spec.intermediate_size)
+    edges = 4 * spec.vocab_size * hid * ((a == 0) + (b == spec.num_layers))  # embedding, head
     return DecoderBid(**base, precision="float32", kv_dtype="float32", block_size=BLOCK_SIZE,
-                      weight_bytes=0 if not spec.quantization else (b - a) * per_layer,  # float: the engine's own arrays
+                      weight_bytes=(b - a) * per_layer + edges,  # float32 views it keeps once the engine lets go
                       kv_bytes_per_token=2 * (b - a) * spec.num_kv_heads * spec.head_dim * 4, exit_layers=a == 0,
                       note="dspark.sdk.family.forward on NumPy ops (the example of a decoder written as ops)")
 
