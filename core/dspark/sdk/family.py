@@ -170,10 +170,8 @@ def requirements(spec: DecoderSpec) -> dict[str, str]:
     for name, q in (spec.quantization or {}).items():
         if name == "model.embed_tokens":
             need["embed.int8"] = "the quantization plan's int8 embedding"
-        elif q.weight_bits in (8, 4):
-            need.setdefault(f"linear.int{q.weight_bits}", f"the quantization plan ({name}, ...)")
         else:
-            need[f"linear.int{q.weight_bits}"] = f"the quantization plan ({name})"
+            need.setdefault(f"linear.int{q.weight_bits}", f"the quantization plan ({name}, ...)")
     return need
 
 

@@ -37,6 +37,7 @@ from dspark.testing.decoder_kit import (
     check_decoders,
     decoder_spec,
     engine_tokens,
+    random_checkpoint,
     tiny_checkpoint,
 )
 from dspark.testing.demo_block import demo_graph, demo_inputs, demo_onnx
@@ -48,7 +49,7 @@ from dspark.testing.op_cases import OpCase, op_case, op_cases
 __all__ = [
     "FAMILIES", "REAL_MODELS", "CaseResult", "CheckResult", "ConformanceKit", "ConformanceReport", "NodeCase", "OpCase",
     "PluginConformance", "PluginNotTestable", "RealModel", "activations", "check_decoder", "check_decoders",
-    "check_onnx_nodes", "check_plugin", "decoder_spec", "engine_tokens", "tiny_checkpoint",
+    "check_onnx_nodes", "check_plugin", "decoder_spec", "engine_tokens", "random_checkpoint", "tiny_checkpoint",
     "compare", "default_host", "demo_graph", "demo_inputs", "demo_onnx", "model_op_cases", "node_cases", "op_case",
     "op_cases", "real_model", "reference_outputs", "run_node_suite",
 ]

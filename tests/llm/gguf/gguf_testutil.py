@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from llm_testutil import train_tokenizer
 
-from dspark.testing.decoder_kit import random_checkpoint
+from dspark.testing import random_checkpoint
 
 QK_K = 256
 HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

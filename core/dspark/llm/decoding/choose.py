@@ -15,6 +15,7 @@ are held once, in the form that runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -344,6 +345,7 @@ def _beat(first: Target, ranked: list[Target]) -> str:
     return "beat " + ", ".join(others) if others else "alone"
 
 
+@functools.cache
 def _dspark_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,11 +32,10 @@ import torch
 
 from dspark.host import hook_threads
 from dspark.host.log import get_logger
-from dspark.llm.decoding import longrope
 from dspark.llm.decoding.batch import SeqKV, build_batch, build_seq_batch, split_logits
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner
-from dspark.llm.runner.rope import longrope_splits
+from dspark.llm.runner.rope import longrope_splits, longrope_switch, rope_positions, run_split
 from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
 from dspark.sdk.decoder import is_sequence
 
@@ -210,21 +209,15 @@ class DecoderRunner:
     def _compiled_step(self, target: Target, cache: PagedKVCache, chunks: list[SeqChunk],
                        exit_layer: int | None) -> list[torch.Tensor]:
         """One step on ``target``; for LongRoPE (a paged target), split at the switch and recomputed across
-        it as the torch runner does (longrope.py)."""
+        it as the torch runner does (runner/rope.py), a long-mode row reading RoPE row ``position +
+        max_position_embeddings`` (``StepBatch.rope_positions``)."""
         orig = getattr(self.reference, "longrope_orig", None)
         if orig is None or target.keeps_kv:  # a runtime keeping its own KV runs its own RoPE
             return self._compiled_once(target, cache, chunks, exit_layer)
         splits = longrope_splits(chunks, cache.seq_lens, orig)
         if splits:  # the rows before the switch first, in short mode
-            first = self._compiled_step(target, cache, [replace(chunks[i], token_ids=chunks[i].token_ids[:k])
-                                                        for i, k in splits.items()], exit_layer)
-            rest = self._compiled_step(target, cache, [replace(ch, token_ids=ch.token_ids[splits[i]:])
-                                                       if i in splits else ch for i, ch in enumerate(chunks)],
-                                       exit_layer)
-            heads = dict(zip(splits, first))
-            return [torch.cat([heads[i], r]) if i in heads and ch.all_logits else r
-                    for i, (ch, r) in enumerate(zip(chunks, rest))]
-        modes = longrope.switch(cache, chunks, orig,
+            return run_split(chunks, splits, lambda part: self._compiled_step(target, cache, part, exit_layer))
+        modes = longrope_switch(cache, chunks, orig,
                                 lambda prefix, long: self._compiled_once(target, cache, [prefix], None, [long]))
         return self._compiled_once(target, cache, chunks, exit_layer, modes)
 
@@ -239,8 +232,8 @@ class DecoderRunner:
         batch: Any = build_seq_batch(cache, kv, chunks, exit_layer) if target.keeps_kv else build_batch(
             cache, chunks, exit_layer)
         if long_modes is not None:
-            batch.rope_positions = longrope.rope_positions(batch.positions, chunks, long_modes,
-                                                           self.reference.cfg.max_position_embeddings)
+            batch.rope_positions = rope_positions(batch.positions, chunks, long_modes,
+                                                  self.reference.cfg.max_position_embeddings)
         kv_of_seqs = kv
         if target.keeps_kv:
             kv = kv.store

@@ -31,9 +31,10 @@ from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import load_checkpoint, resolve_dtype
-from dspark.llm.runner.rope import Rope, longrope_splits
+from dspark.llm.runner.rope import Rope, longrope_splits, longrope_switch, run_split
 from dspark.llm.runner.torch_ops import RunnerOps, RunnerWeights, runner_spec
 from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
+from dspark.sdk.decoder import DecoderSpec
 from dspark.sdk.family import forward
 
 __all__ = ["EMBED", "HEAD", "PROJECTIONS", "ModelRunner", "SeqChunk"]
@@ -299,24 +300,18 @@ class ModelRunner:
         c = self.cfg
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def _spec(self) -> Any:
-        if self._family_spec is None:
-            self._family_spec = runner_spec(self)
-        return self._family_spec
+    # The runner's layers as dspark.sdk.family.forward runs them: its family as a spec, its ops and weights.
+    @functools.cached_property
+    def _spec(self) -> DecoderSpec:
+        return runner_spec(self)
 
+    @functools.cached_property
     def _ops(self) -> RunnerOps:
-        if self._runner_ops is None:
-            self._runner_ops = RunnerOps(self)
-        return self._runner_ops
+        return RunnerOps(self)
 
+    @functools.cached_property
     def _weights(self) -> RunnerWeights:
-        if self._runner_weights is None:
-            self._runner_weights = RunnerWeights(self)
-        return self._runner_weights
-
-    _family_spec: Any = None
-    _runner_ops: RunnerOps | None = None
-    _runner_weights: RunnerWeights | None = None
+        return RunnerWeights(self)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Same op order as HF LlamaRMSNorm: statistics in fp32, scale in model dtype; a float32 weight on
@@ -346,30 +341,16 @@ class ModelRunner:
         if not splits:
             return self._step(cache, chunks, exit_layer)
         # A chunk crossing LongRoPE's switch: its rows before the switch run first, in short mode.
-        first = self._step(cache, [replace(chunks[i], token_ids=chunks[i].token_ids[:k]) for i, k in splits.items()],
-                           exit_layer)
-        rest = self._step(cache, [replace(ch, token_ids=ch.token_ids[splits[i]:]) if i in splits else ch
-                                  for i, ch in enumerate(chunks)], exit_layer)
-        heads = dict(zip(splits, first))
-        return [torch.cat([heads[i], r]) if i in heads and ch.all_logits else r
-                for i, (ch, r) in enumerate(zip(chunks, rest))]
+        return run_split(chunks, splits, lambda part: self._step(cache, part, exit_layer))
 
     def _longrope_switch(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
-        """Before a chunk that runs in the other LongRoPE mode than its sequence's cache holds (it crosses
-        the switch, or a rollback took it back), recompute that cache in the chunk's mode from the
-        sequence's tokens, all layers, as Phi-3's generate recomputes its cache at the crossing."""
+        """Before a chunk that runs in the other LongRoPE mode than its sequence's cache holds, recompute that
+        cache in the chunk's mode, all layers (rope.longrope_switch)."""
         orig = self.longrope_orig
         assert orig is not None
-        for ch in chunks:
-            s = cache.seq_lens.get(ch.seq_id, 0)
-            long = max(s + len(ch.token_ids), ch.prompt_len or 0) > orig
-            if s > 0 and long != (ch.seq_id in cache.long_rope):
-                prefix = cache.tokens[ch.seq_id][:s]
-                cache.set_len(ch.seq_id, 0)
-                # prompt_len past the switch runs the prefix long; the prefix alone is short (s <= orig).
-                self._step(cache, [SeqChunk(ch.seq_id, prefix, prompt_len=orig + 1 if long else None)], None)
-            if s == 0 or long != (ch.seq_id in cache.long_rope):
-                (cache.long_rope.add if long else cache.long_rope.discard)(ch.seq_id)
+        # prompt_len past the switch runs the prefix long; the prefix alone is short (its length <= orig).
+        longrope_switch(cache, chunks, orig, lambda prefix, long: self._step(
+            cache, [replace(prefix, prompt_len=orig + 1 if long else None)], None))
 
     def _offloaded_mlp(self, li: int, h: torch.Tensor) -> torch.Tensor | None:
         """Layer ``li``'s MLP by the plugin that won it (None: torch runs it after all), timed for observers."""
@@ -430,11 +411,11 @@ class ModelRunner:
 
         devs = self.layer_devices
         # The layers are dspark.sdk.family.forward, the definition every plugin lowers, on this runner's ops.
-        ops = self._ops()
+        ops = self._ops
         ops.begin(cache, tokens if devs is None else tokens.to(self.embed.device), write_slots, rope_cs, plan, multi)
         try:
-            x = forward(self._spec(), ops, (0, len(self.layers) if exit_layer is None else exit_layer), head=False,
-                        weights=self._weights())
+            x = forward(self._spec, ops, (0, len(self.layers) if exit_layer is None else exit_layer), head=False,
+                        weights=self._weights)
         finally:
             ops.end()
 

@@ -19,11 +19,15 @@ as under Hugging Face. Two types change their frequencies with the context:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from dspark.llm.runner.kv_cache import PagedKVCache
     from dspark.llm.runner.types import SeqChunk
 
 
@@ -166,3 +170,46 @@ def longrope_splits(chunks: list[SeqChunk], seq_lens: dict[str, int], orig: int)
         if (ch.prompt_len or 0) <= orig and s < orig < s + len(ch.token_ids):
             out[i] = orig - s
     return out
+
+
+def run_split(chunks: list[SeqChunk], splits: dict[int, int], run: Callable[[list[SeqChunk]], list[torch.Tensor]]
+              ) -> list[torch.Tensor]:
+    """Run chunks that cross LongRoPE's switch (``splits``, :func:`longrope_splits`) in two steps, the rows
+    before the switch first, and join each chunk's logits as one step would have given them."""
+    first = run([replace(chunks[i], token_ids=chunks[i].token_ids[:k]) for i, k in splits.items()])
+    rest = run([replace(ch, token_ids=ch.token_ids[splits[i]:]) if i in splits else ch for i, ch in enumerate(chunks)])
+    heads = dict(zip(splits, first))
+    return [torch.cat([heads[i], r]) if i in heads and ch.all_logits else r for i, (ch, r) in enumerate(zip(chunks, rest))]
+
+
+def longrope_switch(cache: PagedKVCache, chunks: list[SeqChunk], orig: int,
+                    recompute: Callable[[SeqChunk, bool], object]) -> list[bool]:
+    """Per chunk, whether it runs in LongRoPE's long mode. Before that, a sequence whose cache holds the other
+    mode (its chunk crosses the switch, or a rollback took it back) is recomputed in the chunk's mode from
+    its tokens, as Phi-3's generate recomputes its cache at the crossing: its length goes to 0, then
+    ``recompute(prefix_chunk, long)``."""
+    from dspark.llm.runner.types import SeqChunk
+
+    modes = []
+    for ch in chunks:
+        s = cache.seq_lens.get(ch.seq_id, 0)
+        long = max(s + len(ch.token_ids), ch.prompt_len or 0) > orig
+        was = ch.seq_id in cache.long_rope
+        (cache.long_rope.add if long else cache.long_rope.discard)(ch.seq_id)
+        if s > 0 and long != was:
+            prefix = cache.tokens[ch.seq_id][:s]
+            if len(prefix) != s:
+                raise RuntimeError(f"sequence {ch.seq_id}: {len(prefix)} recorded tokens for {s} cached")
+            cache.set_len(ch.seq_id, 0)
+            recompute(SeqChunk(ch.seq_id, prefix), long)
+        modes.append(long)
+    return modes
+
+
+def rope_positions(positions: np.ndarray, chunks: list[SeqChunk], modes: list[bool], offset: int
+                   ) -> np.ndarray | None:
+    """For a compiled decoder: each row's row of the spec's RoPE tables, its position plus ``offset``
+    (``max_position_embeddings``) in long mode (``StepBatch.rope_positions``); None when no row is."""
+    if not any(modes):
+        return None
+    return positions + np.repeat(np.where(modes, offset, 0), [len(ch.token_ids) for ch in chunks])
