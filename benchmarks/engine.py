@@ -222,7 +222,8 @@ def dense_paths(model: Path, dtype: str, pool: list[Req], rounds: int) -> None:
     """(e) Where the dense parts and attention run, and whether it paid: the same requests on engines
     that differ only in that. Prefill = each of 8 prompts alone with max_tokens=1; batch 8 = 16
     requests of 32 tokens with up to 8 in flight. Interleaved rounds, medians."""
-    from dspark.llm.placement import decide_dense_offload, host_and_inventory
+    from dspark.llm.device_map.offload import decide_dense_offload
+    from dspark.llm.device_map.torch_layers import host_and_inventory
 
     prompts = [r.prompt for r in pool[:8]]
     batch = [r.prompt for r in pool[:16]]

@@ -323,19 +323,21 @@ def test_describe_runtime_of_a_plain_engine(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_describe_runtime_of_a_placed_engine() -> None:
     from dspark.llm.assembly.layout import describe
+    from dspark.llm.device_map.pieces import DeviceMap, Piece
 
-    def piece(dev: str, plugin: str) -> Any:
-        return SimpleNamespace(device_id=dev, plugin=plugin)
+    def piece(dev: str, plugin: str) -> Piece:
+        return Piece("p", dev, plugin, plugin, weight_bytes=1)
 
-    placement = SimpleNamespace(embed=piece("cpu", "torch"), layers=[piece("cuda:0", "cuda"), piece("cpu", "cpu")],
-                                head=piece("cuda:0", "cuda"))
+    placed = DeviceMap(embed=piece("cpu", "torch"), layers=[piece("cuda:0", "cuda"), piece("cpu", "cpu")],
+                       head=piece("cuda:0", "cuda"), runs={"cpu": "torch", "cuda:0": "torch"})
     host = SimpleNamespace(active=lambda: ["torch", "cuda", "cpu"])
     spec = SimpleNamespace(host=host, handles=[SimpleNamespace(plugin="ngram")])
-    eng = SimpleNamespace(placement=placement, dense_offload=None, dense_offload_decision=None,
+    eng = SimpleNamespace(device_map=placed, dense_offload=None, dense_offload_decision=None,
                           runner=SimpleNamespace(dtype="torch.float16"), quant_plan=None, spec=spec,
                           plugin_host=host)
     rt = describe_runtime(SimpleNamespace(layout=lambda: describe(eng)))
     assert rt.devices == ["cpu", "cuda:0"] and rt.plugins == ["torch", "cuda", "cpu"]
     assert rt.plugins_used == ["torch", "cuda", "cpu", "ngram"]
-    assert rt.target == "torch on cpu+cuda:0 (layers placed by the placer) (float16)"
+    assert rt.target == ("torch on cpu+cuda:0 (layers mapped by the placer: torch@cuda:0[0:1] + torch@cpu[1:2]) "
+                         "(float16)")
     assert json.dumps(rt.__dict__)  # plain strings: fit for logs and span attributes

@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_path, self.config = parts.model_path, parts.config
         self.max_model_len = parts.config.max_model_len or 0
         self.runner, self.cache, self.spec = parts.runner, parts.cache, parts.spec
-        self.placement, self.dense_offload = parts.placement, parts.dense_offload
+        self.device_map, self.dense_offload = parts.device_map, parts.dense_offload
         self.dense_offload_decision, self.decoder_choice = parts.dense_offload_decision, parts.decoder_choice
         self.quant_kernels = parts.quant_kernels
         self.packed_linear = parts.packed_linear
@@ -342,7 +342,7 @@ class LLMEngine:
         self.runner.observers.add(fn)
 
     def layout(self) -> EngineLayout:
-        """What runs the model and where (the decoder running now, placement, offload, drafters, plugins)."""
+        """What runs the model and where (the decoder running now, its device map, offload, drafters, plugins)."""
         from dspark.llm.assembly.layout import describe
 
         return describe(self)

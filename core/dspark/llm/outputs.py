@@ -85,7 +85,9 @@ class EngineLayout:
     target: str  # e.g. "torch on cpu (float32)", "cpu@cpu (openvino/CPU), measured fastest (...)"
     devices: list[str]  # devices holding a piece of the model: "cpu", "cuda:0" ...
     plugins: list[str]  # plugins loaded and taking calls
-    plugins_used: list[str]  # plugins the engine's pieces run through (decoder, placement, MLP offload, drafters)
+    plugins_used: list[str]  # plugins the engine's pieces run through (decoder ranges, MLP offload, drafters)
     drafters: list[str] | None  # the speculative decoder's drafters; None: the engine drafts nothing
-    placement: Any = None  # dspark.llm.placement.LayerPlacement when the torch runner's layers were placed
+    # dspark.llm.device_map.DeviceMap: which layers run on which device and who runs them (torch or a plugin's
+    # decoder), however they got there: devices=, a compiled decoder holding the model, or ranges chained
+    device_map: Any = None
     mlp: tuple[str, str] | None = None  # (plugin, device) running the torch runner's prefill MLPs

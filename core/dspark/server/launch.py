@@ -109,7 +109,7 @@ def load_engine(cfg: ServerConfig) -> tuple[Any, Any, str | None]:
              kv_cache_bytes=engine.stats().kv_total_bytes)
     layout = engine.layout()
     strategy = _log_scheduler(cfg, layout.drafters)
-    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy, placement=layout.placement)
+    metrics = ServerMetrics(engine, model_name=cfg.served_name(), spec_strategy=strategy, device_map=layout.device_map)
     metrics.instrument_engine(engine)
     return engine, metrics, strategy
 

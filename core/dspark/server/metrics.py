@@ -44,15 +44,15 @@ class DeviceMemory:
     read: Callable[[], int]
 
 
-def probe_devices(placement: Any = None) -> list[DeviceMemory]:
+def probe_devices(device_map: Any = None) -> list[DeviceMemory]:
     """The devices this process holds model memory on, looked up once at startup.
 
     The CPU is always one (this process's resident set); CUDA devices are the
-    ones an in-process engine's layer placement (``placement``) put pieces on.
+    ones an in-process engine's device map (``device_map``) put pieces on.
     """
     proc = psutil.Process()
     devs = [DeviceMemory("cpu", psutil.virtual_memory().total, lambda: int(proc.memory_info().rss))]
-    used = set(placement.device_bytes()) if placement is not None else set()
+    used = set(device_map.devices) if device_map is not None else set()
     for dev in sorted(d for d in used if d.startswith("cuda:")):
         import torch
 
@@ -159,14 +159,14 @@ class _ModelLabelled:
 
 class ServerMetrics:
     def __init__(self, engine: EngineClient, *, model_name: str, spec_strategy: str | None = None,
-                 devices: list[DeviceMemory] | None = None, placement: Any = None) -> None:
-        """``placement``: the in-process engine's layer placement, whose devices' memory is reported."""
+                 devices: list[DeviceMemory] | None = None, device_map: Any = None) -> None:
+        """``device_map``: the in-process engine's device map, whose devices' memory is reported."""
         r = self.registry = CollectorRegistry()
         self.model_name = model_name
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        r.register(_EngineCollector(engine, devices if devices is not None else probe_devices(placement), spec_strategy,
+        r.register(_EngineCollector(engine, devices if devices is not None else probe_devices(device_map), spec_strategy,
                                     model_name))
         Gauge("dspark_model_info", "The served model (value 1).", ["model_name"], registry=r).labels(model_name).set(1)
         m = ["model_name"]
@@ -220,10 +220,10 @@ class ServerMetrics:
     def instrument_engine(self, engine: AsyncLLMEngine) -> None:
         """Time each forward step and each offloaded MLP call, labelled by who runs it."""
         lay = engine.layout()
-        placement = lay.placement
-        devices = "cpu" if placement is None else "+".join(sorted({p.device_id for p in placement.layers}))
-        if placement is not None:
-            for part in placement.plan.partitions:
+        placed = lay.device_map
+        devices = "cpu" if placed is None else "+".join(sorted({p.device_id for p in placed.layers}))
+        if placed is not None and placed.plan is not None:
+            for part in placed.plan.partitions:
                 self.partition_predicted.labels(part.plugin, part.device, f"p{part.id}").set(part.predicted_ms / 1e3)
         # torch executes the layers wherever the placer put them; the forward is the torch partition.
         hists = {"forward": self.partition.labels("torch", devices, "forward"),

@@ -137,7 +137,8 @@ def test_speculative_decoding_on_the_target_is_lossless() -> None:
     assert draft.decoder_choice is not None and draft.decoder_choice.chosen == "cpu@cpu"
     lay = e.layout()  # what a server reports, from the engine itself
     assert lay.target.startswith("cpu@cpu (openvino") and lay.devices == ["cpu"] and "cpu" in lay.plugins_used
-    assert lay.drafters and lay.placement is None and lay.mlp is None
+    assert lay.drafters and lay.mlp is None
+    assert [str(st) for st in lay.device_map.stages()] == [f"cpu@cpu[0:{e.runner.cfg.num_hidden_layers}]"]
 
 
 def test_self_drafting_exit_layer_on_the_target() -> None:
@@ -286,11 +287,12 @@ def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None
     assert got == ref
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "mistral_sliding", "smollm3", "phi4_mini", "phi3_longrope",
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mistral_sliding", "smollm3", "phi4_mini", "phi3_longrope",
                                      "qwen3_sliding_yarn"])
 def test_every_family_the_definition_expresses_runs_on_the_target(tmp_path: Any, variant: str) -> None:
-    """Sliding windows, Gemma 3's local RoPE and sandwich norms, RoPE-less layers, partial rotary, YaRN: one
-    definition (dspark.sdk.family) lowered to OpenVINO, the torch runner's greedy tokens through the engine."""
+    """Sliding windows, Gemma 2's soft-caps (attention over the gathered past), Gemma 3's local RoPE and sandwich
+    norms, RoPE-less layers, partial rotary, YaRN: one definition (dspark.sdk.family) lowered to OpenVINO, the
+    torch runner's greedy tokens through the engine."""
     from dspark.testing import engine_tokens, tiny_checkpoint
 
     path = tiny_checkpoint(tmp_path / variant, variant)
@@ -300,15 +302,13 @@ def test_every_family_the_definition_expresses_runs_on_the_target(tmp_path: Any,
     assert got == ref
 
 
-def test_an_op_variant_the_plugin_lacks_is_declined_naming_it(tmp_path: Any) -> None:
-    from dspark.testing import tiny_checkpoint
-
-    path = tiny_checkpoint(tmp_path / "gemma2", "gemma2")  # OpenVINO's paged attention has no soft-cap
-    e = LLMEngine.from_model(path, dtype="float32", decoder="cpu")
+def test_an_op_variant_the_plugin_lacks_is_declined_naming_it() -> None:
+    # The npu plugin's ONNX graph has float projections only: an int8 plan needs linear.int8.
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="npu", quantization="int8")
     c = e.decoder_choice
     assert c is not None and c.chosen == "torch" and e.stats().decoder == "torch"
-    reason = next(d["reason"] for d in c.declined if d["label"] == "cpu@cpu")
-    assert "attention.softcap" in reason and "gemma2" in reason, reason
+    reason = next(d["reason"] for d in c.declined if d["label"].startswith("npu@"))
+    assert "linear.int8" in reason, reason
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -333,25 +333,37 @@ def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: s
 
 # -- a model no single device holds -------------------------------------------------------------------
 class _Capped:
-    """A real plugin's decoder on a device reported with only ``free`` bytes of memory."""
+    """A real plugin's runtime on the CPU, reported as a device of its own (``as_id``) with only ``free`` bytes
+    of memory: two such plugins make two small devices, each driven by a real runtime."""
 
     DSPARK_API_VERSION = "1.6"
 
-    def __init__(self, module: Any, free: int) -> None:
-        self.module, self.free = module, free
+    def __init__(self, module: Any, free: int, as_id: str) -> None:
+        self.module, self.free, self.as_id = module, free, as_id
+
+    def _real(self, device: Any) -> Any:
+        return device.model_copy(update={"id": "cpu"})
+
+    def _mine(self, result: Any) -> Any:
+        return None if result is None else result.model_copy(update={"device_id": self.as_id})
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> Any:
-        return [d.model_copy(update={"memory_free_bytes": self.free, "memory_total_bytes": self.free})
+        return [d.model_copy(update={"id": self.as_id, "memory_free_bytes": self.free,
+                                     "memory_total_bytes": self.free})
                 for d in self.module.dspark_probe_devices(refresh) if getattr(d, "id", None) == "cpu"]
 
     @hookimpl
+    def dspark_bid(self, subgraph: Any, device: Any) -> Any:
+        return self._mine(self.module.dspark_bid(subgraph, self._real(device)))
+
+    @hookimpl
     def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-        return self.module.dspark_decoder_bid(decoder, device)
+        return self._mine(self.module.dspark_decoder_bid(decoder, self._real(device)))
 
     @hookimpl
     def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        return self.module.dspark_compile_decoder(decoder, device)
+        return self.module.dspark_compile_decoder(decoder, self._real(device))
 
 
 def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
@@ -361,17 +373,23 @@ def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
     e0 = _engine("torch")
     spec_bytes = e0.runner.weight_bytes() + e0.runner.kv_bytes_per_token() * e0.config.max_total_tokens
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
-    host.register(_Capped(dspark_plugins_cpu, int(spec_bytes * 0.6)), "small_ov")  # ~60% of the model each
-    host.register(_Capped(dspark_plugins_npu, int(spec_bytes * 0.6)), "small_ort")
+    host.register(_Capped(dspark_plugins_cpu, int(spec_bytes * 0.7), "small:0"), "small_ov")  # ~70% of it each
+    host.register(_Capped(dspark_plugins_npu, int(spec_bytes * 0.7), "small:1"), "small_ort")
     host.load()
     e = LLMEngine.from_model(MODEL, dtype="float32", decoder="small_ov,small_ort", plugin_host=host, max_batch_size=8)
     c = e.decoder_choice
-    assert c is not None and {d["label"] for d in c.declined} >= {"small_ov@cpu", "small_ort@cpu"}
+    assert c is not None and {d["label"] for d in c.declined} >= {"small_ov@small:0", "small_ort@small:1"}
     assert all("MiB free" in d["reason"] for d in c.declined if d["label"].startswith("small_"))
     chain = c.ranked[0]
     assert c.chosen == chain["label"] and e.stats().decoder == chain["label"]
-    assert chain["label"].startswith("small_ov@cpu[0:") and "+ small_ort@cpu[" in chain["label"], c.ranked
     assert "hidden state handed over" in chain["note"]
+    # The placer mapped the layers (the same routine as the torch runner's devices=): both devices, every layer once.
+    placed = e.layout().device_map
+    stages = placed.stages()
+    assert {s.runs for s in stages} == {"small_ov", "small_ort"} and placed.plan is not None, placed.describe()
+    assert [(s.start, s.end) for s in stages] == list(zip([0, *[s.end for s in stages[:-1]]],
+                                                          [s.end for s in stages], strict=True))
+    assert stages[-1].end == e0.runner.cfg.num_hidden_layers and chain["label"] == placed.describe()
     ref = _run(_engine("torch", max_batch_size=8), _greedy(16))
     got = _run(e, _greedy(16))
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}

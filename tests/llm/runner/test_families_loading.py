@@ -106,7 +106,7 @@ def test_optimized_directory_of_fused_projections(family: Callable[[str], Path],
 
 
 def test_dense_offload_is_silu_only(family: Callable[[str], Path]) -> None:
-    from dspark.llm.placement import setup_dense_offload
+    from dspark.llm.device_map.offload import setup_dense_offload
 
     runner = ModelRunner.from_pretrained(str(family("gemma2")), "float32")
     off, decision = setup_dense_offload(runner, "auto")

@@ -10,26 +10,39 @@ from dspark.llm.outputs import EngineLayout
 log = get_logger("dspark.llm.layout")
 
 
+def device_map(engine: Any) -> Any:
+    """The engine's :class:`~dspark.llm.device_map.DeviceMap` now (after any failover)."""
+    from dspark.llm.device_map.pieces import DeviceMap
+
+    placed = getattr(engine, "device_map", None)  # devices=: the torch runner's layers, mapped by the placer
+    if placed is not None:
+        return placed
+    runner = getattr(engine, "runner", None)
+    n = runner.cfg.num_hidden_layers if runner is not None else 0
+    current = getattr(runner, "current", None)  # the decoder target running now
+    if current is not None and current.device_map is not None:  # compiled decoders on layer ranges
+        return current.device_map
+    if current is not None and current.plugin:  # one compiled decoder holds the model
+        return DeviceMap.whole(n, current.device_id, current.plugin, current.runtime)
+    return DeviceMap.whole(n, "cpu", "torch", "torch")
+
+
 def describe(engine: Any) -> EngineLayout:
-    """Read from what the engine built: its decoder target (the one running now, after any failover), layer
-    placement, dense offload, drafters and its plugin host (made on first need: an import per plugin, no
-    device probing)."""
-    placement = getattr(engine, "placement", None)
-    used: list[str] = ["torch"]
-    if placement is not None:
-        pieces = [placement.embed, *placement.layers, placement.head]
-        devices = sorted({p.device_id for p in pieces}, key=lambda d: (d != "cpu", d))
-        used += [p.plugin for p in pieces]
-        target = f"torch on {'+'.join(devices)} (layers placed by the placer)"
+    """Read from what the engine built: its decoder target (the one running now, after any failover), its device
+    map, dense offload, drafters and its plugin host (made on first need: an import per plugin, no device
+    probing)."""
+    placed = device_map(engine)
+    devices = placed.devices
+    used: list[str] = ["torch", *placed.runs.values()]
+    current = getattr(getattr(engine, "runner", None), "current", None)
+    if getattr(engine, "device_map", None) is not None:
+        used += [p.plugin for p in [placed.embed, *placed.layers, placed.head]]
+        target = f"torch on {'+'.join(devices)} (layers mapped by the placer: {placed.describe()})"
+    elif current is not None and not current.is_reference:
+        choice = getattr(engine, "decoder_choice", None)
+        target = f"{current.label} ({current.runtime})" + (f", {choice.reason}" if choice is not None else "")
     else:
-        devices = ["cpu"]
         target = "torch on cpu"
-        current = getattr(getattr(engine, "runner", None), "current", None)  # a plugin's compiled decoder
-        if current is not None and current.plugin:
-            used.append(current.plugin)
-            devices = [current.device_id]
-            choice = getattr(engine, "decoder_choice", None)
-            target = f"{current.label} ({current.runtime})" + (f", {choice.reason}" if choice is not None else "")
     decision = getattr(engine, "dense_offload_decision", None)
     mlp = None
     if getattr(engine, "dense_offload", None) is not None and decision is not None and decision.plugin:
@@ -55,4 +68,4 @@ def describe(engine: Any) -> EngineLayout:
     except Exception as e:  # a broken plugin install must not stop a server: say so and go on
         log.warning("could not list the plugins", error=repr(e))
     return EngineLayout(target=target, devices=devices, plugins=plugins, plugins_used=list(dict.fromkeys(used)),
-                        drafters=drafters, placement=placement, mlp=mlp)
+                        drafters=drafters, device_map=placed, mlp=mlp)

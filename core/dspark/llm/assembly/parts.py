@@ -68,7 +68,7 @@ class EngineParts:
     inputs: InputProcessor
     devices: Devices
     gguf: Any = None  # dspark.llm.gguf.GGUFModel for a GGUF file
-    placement: Any = None  # dspark.llm.placement.LayerPlacement when config.devices is set
+    device_map: Any = None  # dspark.llm.device_map.DeviceMap when config.devices spread the torch runner's layers
     quant_plan: Any = None  # dspark.llm.quantization.QuantPlan when the model runs quantized
     # Who runs each quantized projection (KernelChoice); the build's own list, so a torch runner loaded
     # later (a quantized GGUF file's deferred weights) adds its kernels here too.
@@ -101,7 +101,7 @@ class _Builder:
 
     def __init__(self, model: Path, dtype: str | torch.dtype, cfg: EngineConfig, devices: Devices) -> None:
         self.model_path, self.cfg, self.devices = model, cfg, devices
-        self.placement: Any = None
+        self.device_map: Any = None
         self.quant_plan: Any = None
         self.quant_kernels: list[Any] = []
         self.dense_offload: Any = None
@@ -123,19 +123,19 @@ class _Builder:
         self.cfg = cfg = cfg.model_copy(update={"max_model_len": max_len, "max_total_tokens": total})
         num_pages = -(-total // cfg.page_size)
         if cfg.devices is not None:  # before the cache: each layer's KV pages go where the layer runs
-            from dspark.llm.placement import place_engine
+            from dspark.llm.device_map.torch_layers import place_engine
 
             auto = cfg.devices == "auto"  # else a device profile: planning only, by its own bidders
-            self.placement = place_engine(self.runner, cfg.devices, host=self.devices.host if auto else None,
+            self.device_map = place_engine(self.runner, cfg.devices, host=self.devices.host if auto else None,
                                           inv=self.devices.inventory if auto else None, max_model_len=max_len,
                                           max_total_tokens=num_pages * cfg.page_size,
                                           decode_batch=min(cfg.max_batch_size, 8),
                                           prefill_chunk=min(cfg.max_num_batched_tokens, 128))
         self._quantize(self.runner)
         if cfg.dense_offload != "off":
-            from dspark.llm.placement import setup_dense_offload
+            from dspark.llm.device_map.offload import setup_dense_offload
 
-            devs = None if self.placement is None else [p.device_id for p in self.placement.layers]
+            devs = None if self.device_map is None else [p.device_id for p in self.device_map.layers]
             self.dense_offload, self.dense_offload_decision = setup_dense_offload(
                 self.runner, cfg.dense_offload, layer_devices=devs, host=self.devices.host,
                 inv=self.devices.inventory)
@@ -159,7 +159,7 @@ class _Builder:
                                default_gen=default_gen, host=self.devices.host, place_decoder=self.place_decoder)
         self.built = EngineParts(
             model_path=self.model_path, config=cfg, runner=runner, cache=cache, tokenizer=tokenizer, inputs=inputs,
-            devices=self.devices, gguf=self.gguf, placement=self.placement, quant_plan=self.quant_plan,
+            devices=self.devices, gguf=self.gguf, device_map=self.device_map, quant_plan=self.quant_plan,
             quant_kernels=self.quant_kernels, dense_offload=self.dense_offload,
             dense_offload_decision=self.dense_offload_decision, packed_linear=started.packed_linear,
             decoder_choice=started.choice, spec=spec, default_gen=default_gen,
@@ -170,7 +170,7 @@ class _Builder:
         from dspark.llm.decoding.setup import StartContext
 
         return StartContext(config=self.cfg, model_path=self.model_path, gguf=self.gguf,
-                            quant_plan=self.quant_plan, placement=self.placement, dense_offload=self.dense_offload,
+                            quant_plan=self.quant_plan, device_map=self.device_map, dense_offload=self.dense_offload,
                             plugin_host=lambda: self.devices.host, inventory=lambda: self.devices.inventory,
                             load_torch_runner=self.load_torch_runner)
 

@@ -31,11 +31,11 @@ import torch
 from dspark.host import cache as disk
 from dspark.host import hostinfo
 from dspark.host.log import get_logger
-from dspark.llm.decoding import split
 from dspark.llm.decoding.conformance import compare
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
+from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
 if TYPE_CHECKING:
@@ -178,20 +178,25 @@ def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     return not bad
 
 
-def _split(host: PluginHost, spec: DecoderSpec, short: list[tuple[DecoderBid, Device]], max_tokens: int,
-           declined: list[dict[str, str]]) -> Target | None:
-    plan = split.assign(short, spec, max_tokens)
-    if plan is None:
-        declined.append({"label": "layer ranges", "reason": "the devices that bid cannot hold it together"})
+def _split(host: PluginHost, inv: Inventory, runner: ModelRunner, spec: DecoderSpec,
+           short: list[tuple[DecoderBid, Device]], max_tokens: int, declined: list[dict[str, str]]) -> Target | None:
+    dtype = str(runner.dtype).replace("torch.", "")
+    placed = ranges.map_ranges(host, inv, runner.cfg, spec, short, max_tokens, dtype)
+    if isinstance(placed, str):
+        declined.append({"label": "layer ranges", "reason": placed})
         return None
-    chain = split.build(host, spec, plan)
+    devices: dict[str, Device] = {}
+    for _, dev in short:
+        devices.setdefault(dev.id, dev)
+    chain = ranges.build(host, spec, placed, devices)
     if isinstance(chain, str):
         declined.append({"label": "layer ranges", "reason": chain})
         return None
-    hand = {n: split.handover_s(spec, plan, t) * 1e3 for n, t in (("decode_b1", 1), ("prefill_128", 128))}
-    runtimes = " + ".join(dict.fromkeys(b.runtime for b, _, _ in plan))
+    hand = {n: ranges.handover_s(spec, placed, devices, t) * 1e3 for n, t in (("decode_b1", 1), ("prefill_128", 128))}
+    runtimes = " + ".join(dict.fromkeys(devices[s.device_id].runtime for s in placed.stages()))
     return Target(chain.describe(), runtimes, chain, None, None, exit_layers=True, any_block=False,
-                  note="hidden state handed over: " + ", ".join(f"{k} {v:.3f} ms" for k, v in hand.items()))
+                  note="hidden state handed over: " + ", ".join(f"{k} {v:.3f} ms" for k, v in hand.items()),
+                  device_map=placed)
 
 
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
@@ -254,7 +259,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
             break
         targets.pop(0)
     if first is None and not slower and len(short) > 1:  # no device holds it: layer ranges over several
-        chain = _split(host, spec, short, max_tokens, declined)
+        chain = _split(host, inv, runner, spec, short, max_tokens, declined)
         if chain is not None and _admit(chain, reference, spec, host, declined):
             first = chain
             targets = [chain]

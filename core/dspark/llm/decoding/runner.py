@@ -69,6 +69,7 @@ class Target:
     block: int | None = None  # the KV block size it runs with: its bid's, or the one the engine gave it
     admitted: bool = False  # it passed the probe scenario in this process
     precision: str | None = None  # what its bid said it computes in
+    device_map: Any = None  # layer ranges on several devices (a DeviceMap); None: the whole model on device_id
 
     @property
     def is_reference(self) -> bool:

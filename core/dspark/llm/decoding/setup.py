@@ -31,7 +31,7 @@ class StartContext:
     model_path: Path
     gguf: Any  # dspark.llm.gguf.GGUFModel or None
     quant_plan: Any  # dspark.llm.quantization.QuantPlan or None
-    placement: Any  # dspark.llm.placement.LayerPlacement or None
+    device_map: Any  # dspark.llm.device_map.DeviceMap of the torch runner's layers (devices=), or None
     dense_offload: Any
     plugin_host: Callable[[], PluginHost]
     inventory: Callable[[], Inventory]
@@ -54,8 +54,8 @@ def why_torch_only(engine: StartContext) -> str | None:
     cfg = engine.config
     if cfg.decoder == "torch":
         return "decoder='torch'"
-    if engine.placement is not None:
-        return "devices= places the torch runner's layers itself"
+    if engine.device_map is not None:
+        return "devices= mapped the torch runner's layers itself"
     if engine.dense_offload is not None:
         return "dense_offload runs the torch runner's MLP elsewhere"
     return None

@@ -184,7 +184,7 @@ def apply_plan(runner: ModelRunner, plan: QuantPlan, *, speed_first: bool | None
                progress: Callable[[str, int, int], None] | None = None) -> list[KernelChoice]:
     """Quantize ``runner`` in place as ``plan`` says; returns who runs each quantized projection."""
     if host is None or inv is None:
-        from dspark.llm.placement import host_and_inventory
+        from dspark.llm.device_map.torch_layers import host_and_inventory
 
         host, inv = host_and_inventory("auto")
     if runner.mlp_offload is not None:

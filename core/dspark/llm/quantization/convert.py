@@ -117,11 +117,12 @@ def _draft_spec(source: Path, spec: str, tmp: Path) -> dict[str, Any]:
 
 
 def _device_plan(runner: ModelRunner, devices: str) -> dict[str, Any]:
-    from dspark.llm.placement import host_and_inventory, place_layers
+    from dspark.llm.device_map.layers import map_layers
+    from dspark.llm.device_map.torch_layers import host_and_inventory
 
     host, inv = host_and_inventory(devices)
-    lp = place_layers(runner.cfg, host, inv, max_model_len=runner.cfg.max_position_embeddings,
-                      max_total_tokens=8192, dtype="float32", decode_batch=8, prefill_chunk=128)
+    lp = map_layers(runner.cfg, host, inv, max_model_len=runner.cfg.max_position_embeddings,
+                    max_total_tokens=8192, dtype="float32", decode_batch=8, prefill_chunk=128)
     return {"devices": devices, "embed": lp.embed.device_id, "head": lp.head.device_id,
             "layers": [p.device_id for p in lp.layers],
             "note": "the placer's choice on the converting machine; the engine re-plans where it loads"}

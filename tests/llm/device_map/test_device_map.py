@@ -1,4 +1,4 @@
-"""Layer placement through the placer (declared device profiles) and the dense MLP offload."""
+"""The device map through the placer (declared device profiles) and the dense MLP offload."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from llm_testutil import random_prompts
 
 from dspark.llm import SamplingParams
 from dspark.llm.runner.loader import ModelConfig
-from dspark.llm.placement import place_layers
+from dspark.llm.device_map.layers import map_layers
 from dspark.placement.placer import MEMORY_HEADROOM
 from dspark.placement.profile import profile_host
 
@@ -41,7 +41,7 @@ def _profile(tmp_path: Path, gpu_bytes: int | None, name: str = "box") -> Path:
 
 def _place(path: Path, cfg: ModelConfig = BIG) -> Any:
     host, inv = profile_host(path)
-    return place_layers(cfg, host, inv, **KW)  # type: ignore[arg-type]
+    return map_layers(cfg, host, inv, **KW)  # type: ignore[arg-type]
 
 
 def test_gpu_big_enough_takes_every_layer(tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_auto_on_this_machine_runs_on_the_cpu_with_the_same_tokens(make_llm: Cal
     prompts = random_prompts(4, seed=3)
     plain = make_llm()
     placed = make_llm(devices="auto")
-    lp = placed.engine.placement
+    lp = placed.engine.device_map
     assert lp is not None and set(lp.layer_devices.values()) == {"cpu"}
     assert placed.engine.runner.layer_devices is None  # all on the CPU: the unchanged fast path
     assert [o.token_ids for o in placed.generate(prompts, GREEDY)] == \
@@ -103,7 +103,7 @@ def test_profile_devices_torch_cannot_drive_are_dropped(make_llm: Callable[..., 
     text = path.read_text().replace("cuda:0", "gpu:0").replace("kind: cuda", "kind: gpu")
     path.write_text(text)
     llm = make_llm(devices=str(path))
-    assert set(llm.engine.placement.layer_devices.values()) == {"cpu"}
+    assert set(llm.engine.device_map.layer_devices.values()) == {"cpu"}
     with pytest.raises(FileNotFoundError, match="device-profile"):
         make_llm(devices=str(tmp_path / "missing.yaml"))
 
@@ -126,7 +126,7 @@ def test_runner_moves_state_between_layer_devices(checkpoint: Callable[[str], Pa
 
 
 def test_dense_offload_forced_is_token_identical(make_llm: Callable[..., Any], real_host: Any) -> None:
-    from dspark.llm.placement import decide_dense_offload
+    from dspark.llm.device_map.offload import decide_dense_offload
 
     host, inv = real_host
     plain = make_llm()
