@@ -9,7 +9,9 @@ for, built on first use), all sharing the same per-layer KV tensors. The KV
 layout and block size are the compiled model's own (``[blocks, kv_heads,
 block, head_dim]``, 32 tokens per block on CPUs); the bid says so and the
 engine lays its block tables out in it. KV precision is pinned to the engine's
-dtype: the CPU plugin's default would compress it to u8.
+dtype: the CPU plugin's default would compress it to u8. A model with soft-capped
+attention scores (Gemma 2) attends over the past the graph gathers from host
+blocks (:mod:`.gathered`): any block size, float32 KV.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dspark.sdk.decoder import StepBatch
 from dspark.sdk.family import decline
 from dspark.types import DecoderBid
 from dspark_plugins_cpu import runtime
+from dspark_plugins_cpu.decoder import gathered
 from dspark_plugins_cpu.decoder import ops as decoder_ops
 
 if TYPE_CHECKING:
@@ -54,11 +57,14 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
     edges = spec.vocab_size * spec.hidden_size * ((a == 0) + (b == spec.num_layers))
     item = _BYTES[spec.dtype] if not bits else max(bits) / 8  # a rough size: the bulk compressed
     precision = spec.dtype if not bits else ("int8" if bits == {8} else "int4" if bits == {4} else "mixed int8/int4")
-    return DecoderBid(**base, precision=precision, kv_dtype=spec.dtype, block_size=BLOCK_SIZE,
+    own = spec.attn_softcap is not None  # attends over the gathered past: host blocks, float32, any block size
+    kv_dtype = "float32" if own else spec.dtype
+    return DecoderBid(**base, precision=precision, kv_dtype=kv_dtype, block_size=None if own else BLOCK_SIZE,
                       weight_bytes=int((n * per_layer + edges) * item),
-                      kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * _BYTES[spec.dtype],
+                      kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * _BYTES[kv_dtype],
                       exit_layers=a == 0,
-                      note="dspark.sdk.family.forward as OpenVINO nodes, on PagedAttentionExtension"
+                      note="dspark.sdk.family.forward as OpenVINO nodes, on "
+                      + ("attention over the gathered past (soft-capped scores)" if own else "PagedAttentionExtension")
                       + (", weights compressed as the plan says" if bits else ""))
 
 
@@ -75,13 +81,17 @@ class OpenVINODecoder:
             self.config["INFERENCE_NUM_THREADS"] = spec.threads
         self._lock = threading.Lock()
         self._exits: dict[int, Any] = {}
+        self.gathered = spec.attn_softcap is not None
         self.compiled = self._compile(spec.layers, head=spec.last)
         self.request = self.compiled.create_infer_request()
+        self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
+        if self.gathered:
+            self.block_size = BLOCK_SIZE  # any: the engine may set its own
+            return
         shape = self.compiled.input(f"key_cache.{spec.layers[0]}").get_partial_shape()
         self.block_size = shape[2].get_length() if shape[2].is_static else BLOCK_SIZE
         self._kv_shape = [spec.num_kv_heads, self.block_size, spec.head_dim]
         self._kv_type = self.compiled.input(f"key_cache.{spec.layers[0]}").get_element_type()
-        self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
 
     def _compile(self, layers: tuple[int, int], head: bool) -> Any:
         model = decoder_ops.build(self.spec, layers, head=head)
@@ -90,6 +100,9 @@ class OpenVINODecoder:
     def allocate(self, num_blocks: int) -> list[tuple[Any, Any]]:
         import openvino as ov
 
+        if self.gathered:
+            shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+            return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(*self.spec.layers)]
         shape = [num_blocks, *self._kv_shape]
         return [(ov.Tensor(self._kv_type, shape), ov.Tensor(self._kv_type, shape))
                 for _ in range(*self.spec.layers)]
@@ -107,6 +120,8 @@ class OpenVINODecoder:
         with self._lock:
             req = self._request(batch.exit_layer)
             a = self.spec.layers[0]
+            if self.gathered:
+                return self._step_gathered(req, kv, batch)
             if self._bound.get(id(req)) is not kv:
                 for i in range(len(kv) if req is self.request else batch.exit_layer - a):  # type: ignore[operator]
                     req.set_tensor(f"key_cache.{a + i}", kv[i][0])
@@ -127,6 +142,30 @@ class OpenVINODecoder:
                                                shared_memory=True))
             req.infer()
             return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+
+    def _step_gathered(self, req: Any, kv: list[tuple[np.ndarray, np.ndarray]], batch: StepBatch) -> np.ndarray:
+        import openvino as ov
+
+        a = self.spec.layers[0]
+        names = {n for port in req.model_inputs for n in port.get_names()}
+        slots, seqs, pos = gathered.past_slots(batch, self.block_size)
+        windows = [w for w in {*self.spec.windows, None} if gathered.mask_name(w) in names]
+        feed: dict[str, np.ndarray] = {"position_ids": batch.rope_rows, "past_slots": slots,
+                                       **gathered.masks(batch, seqs, pos, windows)}
+        feed["input_ids" if a == 0 else "hidden"] = batch.input_ids if a == 0 else batch.hidden  # type: ignore[assignment]
+        if "logit_rows" in names:
+            feed["logit_rows"] = batch.logit_rows
+        layers = [i for i in range(len(kv)) if f"key_cache.{a + i}" in names]
+        for i in layers:
+            feed[f"key_cache.{a + i}"], feed[f"value_cache.{a + i}"] = kv[i]
+        for name, value in feed.items():
+            req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
+        req.infer()
+        for i in layers:
+            for j, kind in enumerate(("key", "value")):
+                new = req.get_tensor(f"{kind}_new.{a + i}").data
+                gathered.write(kv[i][j], new, batch.slot_mapping)
+        return np.array(req.get_output_tensor(0).data)
 
 
 def compile_decoder(spec: DecoderSpec, device: Device) -> OpenVINODecoder | None:

@@ -8,7 +8,10 @@ for int8/int4, rotate-half RoPE written with ``Slice`` and a multiply by -1 (one
 fused RoPE node), one ``PagedAttentionExtension`` per layer (the node OpenVINO
 GenAI's graphs use; its KV inputs ``key_cache.N``/``value_cache.N`` the caller
 allocates), and the head over only the rows in ``logit_rows``. Inputs follow
-:class:`dspark.sdk.decoder.StepBatch`.
+:class:`dspark.sdk.decoder.StepBatch`. A model whose attention scores are
+soft-capped (which the paged operation cannot do) attends in the graph over the
+past it gathers instead (:mod:`.gathered`), and returns each layer's new K/V as
+outputs ``key_new.N``/``value_new.N``.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ I64 = np.int64
 class OpenVINOOps:
     """:class:`dspark.sdk.family.DecoderOps` that build an OpenVINO graph (``openvino.opset13`` nodes)."""
 
-    # PagedAttentionExtension has no soft-cap input: Gemma 2's attention cap is declined, naming it.
-    variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "rope.partial",
-                          "softcap", "linear.int8", "linear.int4", "embed.int8"})
+    # PagedAttentionExtension has no soft-cap input: a soft-capped model attends over the gathered past.
+    variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "attention.softcap",
+                          "rope.partial", "softcap", "linear.int8", "linear.int4", "embed.int8"})
 
     def __init__(self, spec: DecoderSpec) -> None:
         import openvino as ov
@@ -44,6 +47,9 @@ class OpenVINOOps:
         self.params: list[Any] = []
         self._inputs: dict[str, Any] = {}
         self._tables: dict[int, tuple[Any, Any]] = {}
+        self.gathered = spec.attn_softcap is not None  # attention over the gathered past (.gathered)
+        self.kv_out: list[tuple[str, Any]] = []  # gathered: (output name, node) of each layer's new K and V
+        self.windows: set[int | None] = set()  # gathered: the window sizes whose masks the graph takes
 
     # -- graph inputs ---------------------------------------------------------------------------
 
@@ -162,6 +168,38 @@ class OpenVINOOps:
         return out if rd == d else self.o.concat([out, self._cut(x, rd, d)], -1)
 
     def attention(self, q: Any, k: Any, v: Any, spec: Attention) -> Any:
+        return self._gathered(q, k, v, spec) if self.gathered else self._paged(q, k, v, spec)
+
+    def _gathered(self, q: Any, k: Any, v: Any, spec: Attention) -> Any:
+        """softmax(softcap(q . [past; k] * scale) + mask) . [past; v] per head, the past gathered from the
+        layer's host blocks at ``past_slots``; grouped-query heads share their KV head."""
+        from dspark_plugins_cpu.decoder.gathered import mask_name
+
+        o, i64 = self.o, I64
+        H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        slots = self.param("past_slots", [-1], self.ov.Type.i64)
+        self.windows.add(spec.window)
+        mask = self.param(mask_name(spec.window), [-1, -1], self.ov.Type.f32)
+        both = []
+        for kind, new in (("key", k), ("value", v)):
+            cache = self.param(f"{kind}_cache.{spec.layer}", [-1, -1, KVH, D], self.ov.Type.f32)
+            past = o.gather(o.reshape(cache, self.const([-1, KVH, D], i64), False), slots, self.const(0, i64))
+            self.kv_out.append((f"{kind}_new.{spec.layer}", new))
+            rows = o.concat([past, new], 0)  # [K, KVH, D]
+            if H != KVH:  # each KV head repeated for its group of query heads
+                rows = o.reshape(o.tile(o.unsqueeze(rows, self.const(2, i64)), self.const([1, 1, H // KVH, 1], i64)),
+                                 self.const([-1, H, D], i64), False)
+            both.append(o.transpose(rows, self.const([1, 0, 2], i64)))  # [H, K, D]
+        keys, values = both
+        scores = o.multiply(o.matmul(o.transpose(q, self.const([1, 0, 2], i64)), keys, False, True),
+                            self.const(spec.scale))  # [H, T, K]
+        if spec.softcap is not None:
+            scores = self.softcap(scores, spec.softcap)
+        probs = o.softmax(o.add(scores, mask), -1)
+        out = o.transpose(o.matmul(probs, values, False, False), self.const([1, 0, 2], i64))  # [T, H, D]
+        return o.reshape(out, self.const([-1, H * D], i64), False)
+
+    def _paged(self, q: Any, k: Any, v: Any, spec: Attention) -> Any:
         """The 28-input PagedAttentionExtension of OpenVINO 2026.4, with the optional inputs empty as
         ``paged_attention_transformation`` leaves them (checked against a transformed export)."""
         from openvino._pyopenvino.op import _PagedAttentionExtension
@@ -209,4 +247,9 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVI
     out = forward(spec, ops, layers, head=head)
     res = ops.o.result(out)
     res.output(0).get_tensor().set_names({"logits" if head else "hidden"})
-    return ops.ov.Model([res], ops.params, f"{spec.name}-layers-{layers[0]}-{layers[1]}")
+    results = [res]
+    for name, node in ops.kv_out:  # gathered attention: the step's K/V, for the caller to store
+        r = ops.o.result(node)
+        r.output(0).get_tensor().set_names({name})
+        results.append(r)
+    return ops.ov.Model(results, ops.params, f"{spec.name}-layers-{layers[0]}-{layers[1]}")
