@@ -96,6 +96,20 @@ def list_corpus(root: Path) -> list[str]:
     return sorted(files)
 
 
+def list_extra(root: Path, dirs: list[str]) -> list[str]:
+    """Training-only files from stdlib folders the corpus leaves out (``test``, ``idlelib``...): more
+    Python to learn from while the held-out set, drawn from ``list_corpus`` alone, stays the same."""
+    files = []
+    for d in dirs:
+        if not (root / d).is_dir():
+            raise SystemExit(f"--extra-train-dirs: {root / d} is not a folder")
+        for p in sorted((root / d).rglob("*.py")):
+            if "__pycache__" in p.parts or p.is_symlink() or p.stat().st_size > MAX_FILE_BYTES:
+                continue
+            files.append(p.relative_to(root).as_posix())
+    return files
+
+
 def is_heldout(rel: str) -> bool:
     h = int.from_bytes(hashlib.sha256(rel.encode("utf-8")).digest()[:8], "big")
     return h % 1000 < HELDOUT_PER_MILLE
@@ -753,6 +767,8 @@ def main():
     ap.add_argument("--exit-weight", type=float, default=0.3)
     ap.add_argument("--max-pos", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--extra-train-dirs", default="",
+                    help="comma-separated stdlib folders (test,idlelib,...) added to the training stream only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--ckpt-every", type=int, default=100)
@@ -780,9 +796,12 @@ def main():
     files = list_corpus(root)
     heldout = [f for f in files if is_heldout(f)]
     train = [f for f in files if not is_heldout(f)]
+    extra = list_extra(root, [d for d in args.extra_train_dirs.split(",") if d])
+    train += extra
     train_texts = [read_text(root, f) for f in train]
     held_texts = [read_text(root, f) for f in heldout]
-    log(f"stdlib {root}: {len(files)} files, {len(train)} train, {len(heldout)} held out")
+    log(f"stdlib {root}: {len(files)} files + {len(extra)} training-only, {len(train)} train, "
+        f"{len(heldout)} held out")
 
     if "tokenizer" in stages:
         tok = train_tokenizer(train_texts, args.vocab_size, MAIN_DIR, args.max_pos)
@@ -794,7 +813,7 @@ def main():
     train_stream = encode_files(tok, train_texts)
     held_stream = encode_files(tok, held_texts)
     data = {"python_version": platform.python_version(), "stdlib": str(root),
-            "n_files": len(files), "n_train_files": len(train), "n_heldout_files": len(heldout),
+            "n_files": len(files), "n_extra_train_files": len(extra), "n_train_files": len(train), "n_heldout_files": len(heldout),
             "train_bytes": sum(len(t.encode()) for t in train_texts),
             "heldout_bytes": sum(len(t.encode()) for t in held_texts),
             "train_tokens": len(train_stream), "heldout_tokens": len(held_stream)}
