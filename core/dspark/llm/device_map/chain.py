@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.sdk.decoder import StepBatch
-
 from dspark.llm.device_map.layers import map_layers
 from dspark.llm.device_map.pieces import DeviceMap
+from dspark.sdk.decoder import StepBatch
 
 if TYPE_CHECKING:
     from dspark.host.inventory import Inventory
@@ -90,7 +89,7 @@ def map_ranges(host: PluginHost, inv: Inventory, config: ModelConfig, spec: Deco
     sizes = [layer_bytes(b, spec, max_tokens) for b in first.values()]
     try:
         placed = map_layers(config, host, inv, max_model_len=spec.max_position_embeddings or max_tokens,
-                            max_total_tokens=max_tokens, dtype=dtype, decode_batch=spec.max_num_seqs,
+                            max_total_tokens=max_tokens, dtype=dtype, decode_batch=min(spec.max_num_seqs, 8),
                             devices=list(first), layer_bytes=(max(w for w, _ in sizes), max(k for _, k in sizes)),
                             runs={d: b.plugin for d, b in first.items()})
     except Exception as exc:  # the placer names the budget or op that made it impossible
