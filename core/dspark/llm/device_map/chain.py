@@ -94,8 +94,12 @@ def map_ranges(host: PluginHost, inv: Inventory, config: ModelConfig, spec: Deco
                             runs={d: b.plugin for d, b in first.items()})
     except Exception as exc:  # the placer names the budget or op that made it impossible
         return f"the devices that bid cannot hold it together ({type(exc).__name__}: {exc})"
-    if len(placed.stages()) < 2:
+    stages = placed.stages()
+    if len(stages) < 2:
         return f"the placer put every layer on {placed.layers[0].device_id}, whose bid does not hold the model"
+    # A compiled range holds the embedding with its first layer and the head with its last.
+    placed.embed = replace(placed.embed, device_id=stages[0].device_id, plugin=stages[0].runs)
+    placed.head = replace(placed.head, device_id=stages[-1].device_id, plugin=stages[-1].runs)
     return placed
 
 

@@ -36,7 +36,6 @@ import numpy as np
 
 from dspark.graph.model import Graph, Op, TensorSpec
 from dspark.llm.device_map.pieces import DeviceMap, Piece
-
 from dspark.types import Bid
 
 if TYPE_CHECKING:
