@@ -96,17 +96,33 @@ def list_corpus(root: Path) -> list[str]:
     return sorted(files)
 
 
-def list_extra(root: Path, dirs: list[str]) -> list[str]:
+def held_stems(held: list[str]) -> set[str]:
+    """The names of the held-out modules and their packages' folders: ``turtle``, ``statistics``, ``asyncio``'s
+    ``futures`` ... (a test or demo of one of them would teach its identifiers and docstrings)."""
+    return {Path(f).stem for f in held} - {"__init__"}
+
+
+def about_held(rel: str, stems: set[str]) -> bool:
+    """A file named after a held-out module, or in a folder that is: ``test/test_turtle.py``,
+    ``test/test_asyncio/test_futures.py``, ``test/test_email/test_charset.py``."""
+    parts = [Path(p).stem for p in Path(rel).parts]
+    return any(p.removeprefix("test_") in stems for p in parts[1:])
+
+
+def list_extra(root: Path, dirs: list[str], held: list[str]) -> list[str]:
     """Training-only files from stdlib folders the corpus leaves out (``test``, ``idlelib``...): more
-    Python to learn from while the held-out set, drawn from ``list_corpus`` alone, stays the same."""
+    Python to learn from while the held-out set, drawn from ``list_corpus`` alone, stays the same. Files
+    about a held-out module (its tests) are left out too."""
+    stems = held_stems(held)
     files = []
     for d in dirs:
         if not (root / d).is_dir():
             raise SystemExit(f"--extra-train-dirs: {root / d} is not a folder")
         for p in sorted((root / d).rglob("*.py")):
-            if "__pycache__" in p.parts or p.is_symlink() or p.stat().st_size > MAX_FILE_BYTES:
+            rel = p.relative_to(root).as_posix()
+            if "__pycache__" in p.parts or p.is_symlink() or p.stat().st_size > MAX_FILE_BYTES or about_held(rel, stems):
                 continue
-            files.append(p.relative_to(root).as_posix())
+            files.append(rel)
     return files
 
 
@@ -607,9 +623,18 @@ def write_card(path: Path, kind: str, info: dict):
                         "the last phase trains the longer context.")
     continued_line = ""
     if kind == "main" and a.get("main_init"):
-        continued_line = (f"- Continued training: the weights start from `{a['main_init']}` as committed before "
-                          f"this run ({info.get('continued_from', 'see git history')}), with a fresh optimizer; the "
+        continued_line = (f"- Continued training: the weights start from `{a['main_init']}`: "
+                          f"{info.get('continued_from', 'see git history')}; a fresh optimizer; the "
                           "steps, tokens and curve below are this run's.")
+    extra_md = ""
+    if d.get("n_extra_train_files"):
+        extra_md = (f"\n  The training files include {d['n_extra_train_files']} training-only files (never held out) "
+                    f"from the folders {', '.join('`' + x + '`' for x in a['extra_train_dirs'].split(','))}, leaving "
+                    "out every file named after a held-out module or in a folder that is (its tests: "
+                    "`test/test_turtle.py`, `test/test_asyncio/test_futures.py`, ...), so that no held-out "
+                    "module's own tests were trained on. "
+                    + ("The tokenizer was trained on them too." if "tokenizer" in a["stages"].split(",")
+                       else "The tokenizer was trained earlier, without them."))
     exit_line = (f"- Early exit scored on every {a.get('exit_stride', 1)}th position "
                  f"(weight {a['exit_weight']})." if kind == "main" else "")
     curve_rows = "\n".join(
@@ -633,7 +658,7 @@ figures below were measured by that script, not estimated.
   {MAX_FILE_BYTES // 1024} KiB; sorted by relative path.
 - Files: {d['n_files']} in all, {d['n_train_files']} for training
   ({d['train_bytes']/1e6:.2f} MB, {d['train_tokens']:,} tokens),
-  {d['n_heldout_files']} held out ({d['heldout_bytes']/1e6:.2f} MB, {d['heldout_tokens']:,} tokens).
+  {d['n_heldout_files']} held out ({d['heldout_bytes']/1e6:.2f} MB, {d['heldout_tokens']:,} tokens).{extra_md}
 - Held-out rule: a file is held out iff
   `int.from_bytes(sha256(relpath.encode()).digest()[:8], "big") % 1000 < {HELDOUT_PER_MILLE}`
   (≈3% of files in expectation; with this stdlib it picks {d['n_heldout_files']} of {d['n_files']} files,
@@ -796,7 +821,7 @@ def main():
     files = list_corpus(root)
     heldout = [f for f in files if is_heldout(f)]
     train = [f for f in files if not is_heldout(f)]
-    extra = list_extra(root, [d for d in args.extra_train_dirs.split(",") if d])
+    extra = list_extra(root, [d for d in args.extra_train_dirs.split(",") if d], heldout)
     train += extra
     train_texts = [read_text(root, f) for f in train]
     held_texts = [read_text(root, f) for f in heldout]
@@ -854,6 +879,9 @@ def main():
                    f"{args.threads} threads; the machine was shared with other jobs, so times are "
                    "indicative only)")
         for kind, path, layers in (("main", MAIN_DIR, exit_layers), ("draft", DRAFT_DIR, [])):
+            if not (path / "config.json").exists():
+                log(f"[{kind}] no model in {path}: not evaluated")
+                continue
             ckpt = Path(args.ckpt_dir) / f"{kind}.pt"
             # Without this run's checkpoint (a draft trained beside the committed main model) the model is
             # evaluated for the agreement figures but its card, not this run's, is left as it is.
