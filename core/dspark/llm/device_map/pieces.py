@@ -55,16 +55,15 @@ class DeviceMap:
     plan: Plan | None = None
     graph: Graph | None = field(default=None, repr=False)
     runs: dict[str, str] = field(default_factory=dict)  # device id -> "torch" or a decoder plugin
-    reason: str = ""
 
     @classmethod
-    def whole(cls, num_layers: int, device_id: str, runs: str, runtime: str, reason: str = "") -> DeviceMap:
+    def whole(cls, num_layers: int, device_id: str, runs: str, runtime: str) -> DeviceMap:
         """Every piece on one device (a compiled decoder holding the model, or the torch runner on the CPU)."""
         def piece(name: str) -> Piece:
             return Piece(name, device_id, runs, runtime, 0)
 
         return cls(embed=piece("embed"), layers=[piece(f"layer{i}") for i in range(num_layers)],
-                   head=piece("head"), runs={device_id: runs}, reason=reason)
+                   head=piece("head"), runs={device_id: runs})
 
     @property
     def layer_devices(self) -> dict[int, str]:
