@@ -85,6 +85,7 @@ class OpenVINODecoder:
         self.compiled = self._compile(spec.layers, head=spec.last)
         self.request = self.compiled.create_infer_request()
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
+        self._names: dict[int, set[str]] = {}  # id of a request -> its input names (gathered attention)
         if self.gathered:
             self.block_size = BLOCK_SIZE  # any: the engine may set its own
             return
@@ -147,7 +148,9 @@ class OpenVINODecoder:
         import openvino as ov
 
         a = self.spec.layers[0]
-        names = {n for port in req.model_inputs for n in port.get_names()}
+        names = self._names.get(id(req))
+        if names is None:  # a request's input names, read once
+            names = self._names[id(req)] = {n for port in req.model_inputs for n in port.get_names()}
         slots, seqs, pos = gathered.past_slots(batch, self.block_size)
         windows = [w for w in {*self.spec.windows, None} if gathered.mask_name(w) in names]
         feed: dict[str, np.ndarray] = {"position_ids": batch.rope_rows, "past_slots": slots,
