@@ -185,9 +185,7 @@ def _split(host: PluginHost, inv: Inventory, runner: ModelRunner, spec: DecoderS
     if isinstance(placed, str):
         declined.append({"label": "layer ranges", "reason": placed})
         return None
-    devices: dict[str, Device] = {}
-    for _, dev in short:
-        devices.setdefault(dev.id, dev)
+    devices = {d: dev for d, (_, dev) in ranges.first_per_device(short).items()}
     chain = ranges.build(host, spec, placed, devices)
     if isinstance(chain, str):
         declined.append({"label": "layer ranges", "reason": chain})

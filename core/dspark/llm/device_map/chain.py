@@ -80,12 +80,18 @@ def layer_bytes(bid: DecoderBid, spec: DecoderSpec, max_tokens: int) -> tuple[in
             bid.kv_bytes_per_token * max_tokens // spec.num_layers)
 
 
+def first_per_device(bids: list[tuple[DecoderBid, Device]]) -> dict[str, tuple[DecoderBid, Device]]:
+    """Device id -> its first bid and device: who runs that device's ranges."""
+    out: dict[str, tuple[DecoderBid, Device]] = {}
+    for bid, dev in bids:
+        out.setdefault(dev.id, (bid, dev))
+    return out
+
+
 def map_ranges(host: PluginHost, inv: Inventory, config: ModelConfig, spec: DecoderSpec,
                bids: list[tuple[DecoderBid, Device]], max_tokens: int, dtype: str) -> DeviceMap | str:
     """The device map of the layers over the bidders' devices (the first bid per device runs it), or why not."""
-    first: dict[str, DecoderBid] = {}
-    for bid, dev in bids:
-        first.setdefault(dev.id, bid)
+    first = {d: b for d, (b, _) in first_per_device(bids).items()}
     sizes = [layer_bytes(b, spec, max_tokens) for b in first.values()]
     try:
         placed = map_layers(config, host, inv, max_model_len=spec.max_position_embeddings or max_tokens,
