@@ -67,43 +67,63 @@ def test_longrope_crosses_its_switch_on_the_ops_as_the_torch_runner_does(tmp_pat
     assert got == ref
 
 
+class _Counted:
+    """The numpy plugin's decoder hooks under a given version, counting compiles into ``compiled``."""
+
+    DSPARK_API_VERSION = "1.10"
+
+    def __init__(self, version: str, compiled: list[str]) -> None:
+        self.version = version
+        self.compiled = compiled
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return dspark_numpy.dspark_probe_devices(refresh)
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return dspark_numpy.dspark_decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        self.compiled.append(self.version)
+        return dspark_numpy.dspark_compile_decoder(decoder, device)
+
+
+def _start_auto(path: Path, version: str, compiled: list[str]) -> None:
+    h = PluginHost(PluginSettings())
+    h.register(_Counted(version, compiled), "numpy", version=version)
+    h.load()
+    engine_tokens(path, "auto", plugin_host=h, prompts=([5, 9, 13],), max_tokens=2)
+
+
 def test_a_new_plugin_version_is_timed_again(tmp_path: Path) -> None:
     """decoder="auto" times every bidder once per model and keeps the timings on disk; the key holds the
     plugin's version, so a new release is measured again rather than trusted on old figures."""
     path = tiny_checkpoint(tmp_path / "llama", "llama")
     compiled: list[str] = []
-
-    class Counted:
-        """The numpy plugin's decoder hooks, counting compiles."""
-
-        DSPARK_API_VERSION = "1.10"
-
-        def __init__(self, version: str) -> None:
-            self.version = version
-
-        @hookimpl
-        def dspark_probe_devices(self, refresh: bool) -> Any:
-            return dspark_numpy.dspark_probe_devices(refresh)
-
-        @hookimpl
-        def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-            return dspark_numpy.dspark_decoder_bid(decoder, device)
-
-        @hookimpl
-        def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-            compiled.append(self.version)
-            return dspark_numpy.dspark_compile_decoder(decoder, device)
-
-    def start(version: str) -> None:
-        h = PluginHost(PluginSettings())
-        h.register(Counted(version), "numpy", version=version)
-        h.load()
-        engine_tokens(path, "auto", plugin_host=h, prompts=([5, 9, 13],), max_tokens=2)
-
-    start("0.1.0")
+    _start_auto(path, "0.1.0", compiled)
     first = len(compiled)  # once to time it, and once more if it won
-    start("0.1.0")  # warm: the same ranking from the cache, so the same winner, and nothing compiled to time
+    _start_auto(path, "0.1.0", compiled)  # warm: the same ranking from the cache, nothing compiled to time
     warm = len(compiled) - first
-    start("0.2.0")
+    _start_auto(path, "0.2.0", compiled)
     assert first >= 1 and warm == first - 1, compiled
     assert compiled[first + warm:] and set(compiled[first + warm:]) == {"0.2.0"}, compiled  # timed again
+
+
+def test_another_cpu_is_timed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timings' key holds the host's CPU: a cache directory carried to a machine with other ISA
+    features (a home directory kept while the machine under it changed) is measured again, not trusted."""
+    from dspark.host import hostinfo
+
+    path = tiny_checkpoint(tmp_path / "llama", "llama")
+    compiled: list[str] = []
+    _start_auto(path, "0.1.0", compiled)
+    first = len(compiled)
+    _start_auto(path, "0.1.0", compiled)
+    warm = len(compiled) - first
+    here = hostinfo.fingerprint()
+    monkeypatch.setattr(hostinfo, "fingerprint", lambda: {**here, "isa": [*here["isa"], "another-isa"]})
+    _start_auto(path, "0.1.0", compiled)
+    assert first >= 1 and warm == first - 1, compiled
+    assert len(compiled) - first - warm == first, compiled  # timed (and compiled to run) as on a cold start

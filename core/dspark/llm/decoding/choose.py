@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
-_NAMESPACE = "decoder-timings-v3"  # v3: keyed by the plugin's version too; decoders run sdk/family (API 1.10)
+_NAMESPACE = "decoder-timings-v4"  # v4: keyed by the host's CPU too (a machine's cache moved to another CPU)
 _PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
 _CONTEXT = 128  # tokens each timed sequence holds
 
@@ -359,12 +359,13 @@ def _dspark_version() -> str:
 
 
 def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost) -> dict[str, Any]:
-    """A target's timings are kept per model, runtime, threads and shapes, and per version of the plugin
-    that compiled it (and of dspark, whose decoder definition it runs): a new release is timed again."""
+    """A target's timings are kept per model, runtime, threads and shapes, per version of the plugin
+    that compiled it (and of dspark, whose decoder definition it runs): a new release is timed again; and
+    per host CPU (model, usable cores, ISA): a cache directory carried to another machine is not trusted."""
     rec = host.records.get(t.plugin or "")
     return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
             "shapes": shape_names, "context": _CONTEXT, "plugin_version": rec.version if rec is not None else "",
-            "dspark": _dspark_version()}
+            "dspark": _dspark_version(), "host": hostinfo.fingerprint()}
 
 
 def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
