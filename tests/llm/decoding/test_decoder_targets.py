@@ -227,8 +227,8 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     # at 0.7x (a real ranking would be a race a busy machine can lose).
     real_time = choose.time_targets
 
-    def recorded(benches: dict[str, Any], shape_list: Any, reps: int = 5) -> dict[str, dict[str, float]]:
-        out = real_time(benches, shape_list, reps=1)
+    def recorded(benches: dict[str, Any], shape_list: Any) -> dict[str, dict[str, float]]:
+        out = real_time(benches, shape_list, reps=1, blocks=1)
         ref = out[REFERENCE]
         return {k: ref if k == REFERENCE else {n: ms * (0.5 if k == "one@cpu" else 0.7) for n, ms in ref.items()}
                 for k in out}

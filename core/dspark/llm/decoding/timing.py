@@ -4,7 +4,7 @@ Shapes: decode at batch 1, 8 and 32 (capped at the engine's batch size), a
 prefill chunk, and a k=8 verification (9 rows, every row's logits), each over
 sequences that already hold ``context`` tokens. Each shape is one step run
 again and again with its KV rolled back in between, so every run sees the same
-context. Targets are timed interleaved, shape by shape, and the median kept.
+context. Targets take turns in settled blocks, shape by shape, and the median is kept.
 """
 
 from __future__ import annotations
@@ -76,16 +76,27 @@ class Bench:
         return dt
 
 
-def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int = 5) -> dict[str, dict[str, float]]:
-    """Median ms per step, per target and shape; targets interleaved within each shape."""
+# A runtime's worker threads keep spinning for a while after its step (OpenMP's, TBB's): the next runtime's
+# first steps share the cores with them. Each block of timed steps follows this long of untimed ones.
+SETTLE_S = 0.02
+
+
+def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int = 3,
+                 blocks: int = 3) -> dict[str, dict[str, float]]:
+    """Median ms per step, per target and shape. Targets take turns in blocks (``blocks`` turns of ``reps``
+    timed steps each, after :data:`SETTLE_S` of untimed ones), not step by step: a step timed right after
+    another runtime's ran beside its spinning threads (OpenVINO's decode step at twice its time after each
+    torch step), so a target was ranked on its neighbour's threads rather than its own speed."""
     out: dict[str, dict[str, float]] = {k: {} for k in benches}
     for shape in shape_list:
         samples: dict[str, list[float]] = {k: [] for k in benches}
-        for b in benches.values():  # one untimed run each: first-touch of buffers, kernel selection
-            b.run(shape)
-        for _ in range(reps):
+        for _ in range(blocks):
             for k, b in benches.items():
-                samples[k].append(b.run(shape))
+                t0 = time.perf_counter()
+                b.run(shape)  # at least one untimed run: first-touch of buffers, kernel selection
+                while time.perf_counter() - t0 < SETTLE_S:
+                    b.run(shape)
+                samples[k].extend(b.run(shape) for _ in range(reps))
         for k in benches:
             out[k][shape.name] = round(statistics.median(samples[k]) * 1e3, 4)
     return out
