@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.10).
+"""The dspark plugin contract (API version 1.11).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.10"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.11"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -23,7 +23,9 @@ sequence's last positions (``DraftRequest.target_rows``), for feature-level draf
 API 1.10 writes every model family's decoder once (:func:`dspark.sdk.family.forward`) over ops a
 plugin supplies (:class:`~dspark.sdk.family.DecoderOps`); ``DecoderSpec`` spells out what a family
 changes (per-layer windows and RoPE tables, scales, soft-caps, activation) and ``LayerWeights``
-carries Gemma's output norms.
+carries Gemma's output norms. API 1.11 lets a compiled decoder offer ``cancel()``: its steps then
+run on the engine's own thread, a watchdog cancelling one that passes its deadline, instead of on a
+watchdog thread.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.10"
+API_VERSION = "1.11"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -84,6 +84,8 @@ class OpenVINODecoder:
         self.gathered = spec.attn_softcap is not None
         self.compiled = self._compile(spec.layers, head=spec.last)
         self.request = self.compiled.create_infer_request()
+        self._running: Any = None  # the request a step is running on (what cancel() stops)
+        self._cancelled = False
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
         self._names: dict[int, set[str]] = {}  # id of a request -> its input names (gathered attention)
         if self.gathered:
@@ -141,8 +143,26 @@ class OpenVINODecoder:
             for name, value in feed.items():  # (ascontiguousarray would make the 0-d max_context_len 1-d)
                 req.set_tensor(name, ov.Tensor(value if value.flags.c_contiguous else np.ascontiguousarray(value),
                                                shared_memory=True))
-            req.infer()
+            self._infer(req)
             return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+
+    def _infer(self, req: Any) -> None:
+        self._cancelled = False
+        self._running = req
+        try:
+            req.infer()
+        finally:
+            self._running = None
+        if self._cancelled:  # a cancel that reached the request before its inference began is not lost
+            raise RuntimeError("step cancelled")
+
+    def cancel(self) -> None:
+        """Stop the step running now (API 1.11: the engine's watchdog, past the step's deadline): its
+        ``infer`` raises, or the step raises once it returns."""
+        req = self._running
+        if req is not None:
+            self._cancelled = True
+            req.cancel()
 
     def _step_gathered(self, req: Any, kv: list[tuple[np.ndarray, np.ndarray]], batch: StepBatch) -> np.ndarray:
         import openvino as ov
@@ -163,7 +183,7 @@ class OpenVINODecoder:
             feed[f"key_cache.{a + i}"], feed[f"value_cache.{a + i}"] = kv[i]
         for name, value in feed.items():
             req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
-        req.infer()
+        self._infer(req)
         for i in layers:
             for j, kind in enumerate(("key", "value")):
                 new = req.get_tensor(f"{kind}_new.{a + i}").data

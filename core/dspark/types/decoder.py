@@ -257,6 +257,12 @@ class CompiledDecoder(Protocol):
     set) or the hidden state ``[T, hidden]`` (a range ending earlier), as a numpy array or a
     CPU torch tensor. A step that raises is charged to the plugin and the engine moves to its
     next target; it must not leave other allocations unusable.
+
+    Optional (API 1.11): ``cancel()``, called from another thread while a step runs past its
+    deadline; the running step must then end soon by raising (OpenVINO's ``InferRequest.cancel``,
+    llama.cpp's abort callback). A decoder that offers it runs its steps on the engine's own
+    thread, a watchdog calling ``cancel`` at the deadline; one that does not runs them on a
+    watchdog thread that abandons a step past its deadline (two thread wake-ups each step).
     """
 
     block_size: int
@@ -301,6 +307,7 @@ class SequenceDecoder(Protocol):
     apply ``batch.drops``, run ``batch``'s rows, return float32 logits ``[len(batch.logit_rows),
     vocab]`` as a numpy array or CPU torch tensor. A step that raises is charged to the plugin and
     the engine moves to its next target, which recomputes the sequences from their tokens.
+    Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11).
     """
 
     kv_mode: Literal["sequence"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+from dspark.hookspecs import hookimpl
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 
@@ -32,3 +34,63 @@ def float_engine(decoder: str, model: Path | str = MODEL, **kw: Any) -> LLMEngin
 
 def greedy(n: int = 24) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
+
+
+class Renamed:
+    """OpenVINO's decoder (the cpu plugin's) under another name (``RUNTIME``); subclasses change what a step does
+    (``_step``) or wrap the compiled decoder themselves."""
+
+    DSPARK_API_VERSION = "1.6"
+    RUNTIME = "renamed/CPU"
+    steps = 0
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        from dspark_plugins_cpu import probe as ov_probe
+
+        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        from dspark_plugins_cpu import decoder as ov_decoder
+
+        return ov_decoder.decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        from dspark_plugins_cpu import decoder as ov_decoder
+
+        inner = ov_decoder.compile_decoder(decoder, device)
+        plugin = self
+
+        class Wrapped:
+            block_size = inner.block_size
+
+            def allocate(self, n: int) -> Any:
+                return inner.allocate(n)
+
+            def step(self, kv: Any, batch: Any) -> Any:
+                return plugin._step(inner, kv, batch)
+
+        return Wrapped()
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        raise NotImplementedError
+
+
+class Faulty(Renamed):
+    """Failing (raising or hanging) at its ``fail_at``-th step."""
+
+    RUNTIME = "faulty/CPU"
+
+    def __init__(self, fail_at: int, hang_s: float = 0.0) -> None:
+        self.fail_at, self.hang_s, self.steps = fail_at, hang_s, 0
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            if self.hang_s:
+                time.sleep(self.hang_s)
+            else:
+                raise RuntimeError("device lost")
+        return inner.step(kv, batch)

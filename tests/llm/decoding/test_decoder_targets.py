@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from decoder_testutil import MODEL, PROMPTS, float_engine, greedy, run_prompts
+from decoder_testutil import MODEL, PROMPTS, Faulty, Renamed, float_engine, greedy, run_prompts
 
 from dspark.hookspecs import hookimpl
 from dspark.llm.decoding import choose
@@ -25,48 +25,12 @@ from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 
 openvino = pytest.importorskip("openvino")
-from dspark_plugins_cpu import decoder as ov_decoder  # noqa: E402
 from dspark_plugins_cpu import probe as ov_probe  # noqa: E402
 
 _run, _engine, _greedy = run_prompts, float_engine, greedy
 
 
-class _Renamed:
-    """OpenVINO's decoder under another name (``RUNTIME``); subclasses change what a step does (``_step``)."""
-
-    DSPARK_API_VERSION = "1.6"
-    RUNTIME = "renamed/CPU"
-    steps = 0
-
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
-        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
-
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-        return ov_decoder.decoder_bid(decoder, device)
-
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        inner = ov_decoder.compile_decoder(decoder, device)
-        plugin = self
-
-        class Wrapped:
-            block_size = inner.block_size
-
-            def allocate(self, n: int) -> Any:
-                return inner.allocate(n)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                return plugin._step(inner, kv, batch)
-
-        return Wrapped()
-
-    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
-        raise NotImplementedError
-
-
-class _Slowed(_Renamed):
+class _Slowed(Renamed):
     """Every step slowed on purpose: it sleeps ``extra_s`` plus ``factor`` times the step's own time, so
     it is slower than OpenVINO's step by a margin that grows with the load, and slower than any real
     runtime's step here by far more than a busy machine's noise."""
@@ -162,46 +126,7 @@ def test_logprobs_and_sampling_on_the_target() -> None:
         assert len(got[k].prompt_logprobs) == len(ref[k].prompt_logprobs)
 
 
-# -- a plugin whose decoder fails while serving --------------------------------------------------
-class _Faulty(_Renamed):
-    """Failing (raising or hanging) at its ``fail_at``-th step."""
-
-    RUNTIME = "faulty/CPU"
-
-    def __init__(self, fail_at: int, hang_s: float = 0.0) -> None:
-        self.fail_at, self.hang_s, self.steps = fail_at, hang_s, 0
-
-    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
-        self.steps += 1
-        if self.steps == self.fail_at:
-            if self.hang_s:
-                time.sleep(self.hang_s)
-            else:
-                raise RuntimeError("device lost")
-        return inner.step(kv, batch)
-
-
-@pytest.mark.parametrize("hang", [False, True], ids=["raises", "hangs"])
-def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: bool) -> None:
-    ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
-    host = PluginHost(PluginSettings(blocked={"npu", "cuda"}))
-    faulty = _Faulty(fail_at=16, hang_s=3.0 if hang else 0.0)  # the probe scenario takes 6 steps: mid-serving
-    host.register(faulty, "faulty")
-    host.load()
-    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
-    e.runner.step_timeout_s = 1.0
-    assert e.stats().decoder == "faulty@cpu"
-    got = _run(e, _greedy(20))
-    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
-    assert all(o.finish_reason == "length" for o in got.values())
-    s = e.stats()
-    assert s.decoder == "torch" and s.decoder_failovers == 1
-    fault = host.last_fault("faulty")
-    assert fault is not None and fault.hook == "decoder.step"
-    assert ("did not return within" if hang else "device lost") in fault.reason
-
-
-class _Counted(_Renamed):
+class _Counted(Renamed):
     """OpenVINO's decoder under its own name, counting the compiled decoders alive when it compiles one."""
 
     def __init__(self, name: str, alive: weakref.WeakSet[Any], seen: list[int]) -> None:
@@ -211,7 +136,7 @@ class _Counted(_Renamed):
     def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
         gc.collect()
         self.seen.append(len(self.alive))
-        compiled = _Renamed.dspark_compile_decoder(self, decoder, device)
+        compiled = Renamed.dspark_compile_decoder(self, decoder, device)
         self.alive.add(compiled)
         return compiled
 
@@ -252,7 +177,7 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     del e, runner
     seen.clear()
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
-    host.register(_Faulty(fail_at=16), "faulty")  # fails mid-serving, after the probe scenario
+    host.register(Faulty(fail_at=16), "faulty")  # fails mid-serving, after the probe scenario
     host.register(_Counted("one", alive, seen), "one")
     host.load()
     e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty,one", plugin_host=host, max_batch_size=8)

@@ -33,6 +33,7 @@ import torch
 from dspark.host import hook_threads
 from dspark.host.log import get_logger
 from dspark.llm.decoding.batch import SeqKV, build_batch, build_seq_batch, split_logits
+from dspark.llm.decoding.watchdog import watchdog
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner
 from dspark.llm.runner.rope import longrope_splits, longrope_switch, rope_positions, run_split
@@ -238,14 +239,7 @@ class DecoderRunner:
         kv_of_seqs = kv
         if target.keeps_kv:
             kv = kv.store
-        if self.step_timeout_s is None:
-            raw = target.compiled.step(kv, batch)
-        else:
-            try:
-                raw = hook_threads.call_with_timeout(target.compiled.step, [kv, batch], self.step_timeout_s,
-                                                     f"{target.label}.step")
-            except hook_threads.CallTimeout:
-                raise TimeoutError(f"step did not return within {self.step_timeout_s:g} s") from None
+        raw = self._call_step(target, kv, batch)
         logits = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.asarray(raw))
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -259,6 +253,31 @@ class DecoderRunner:
         if target.keeps_kv:
             kv_of_seqs.advanced(chunks, cache)
         return split_logits(chunks, logits)  # type: ignore[return-value]
+
+    def _call_step(self, target: Target, kv: Any, batch: Any) -> Any:
+        """The compiled step under the step's deadline: a decoder that can cancel a step (API 1.11) runs on this
+        thread with the watchdog armed; any other runs on a watchdog thread, abandoned if it does not return in
+        time."""
+        compiled: Any = target.compiled
+        timeout = self.step_timeout_s
+        if timeout is None:
+            return compiled.step(kv, batch)
+        cancel = getattr(compiled, "cancel", None)
+        if cancel is not None:
+            token = watchdog.arm(timeout, cancel, target.label)
+            try:
+                raw = compiled.step(kv, batch)
+            except Exception:
+                if watchdog.disarm(token):
+                    raise TimeoutError(f"step did not return within {timeout:g} s (cancelled)") from None
+                raise
+            if watchdog.disarm(token):  # it returned, but only after its deadline
+                raise TimeoutError(f"step did not return within {timeout:g} s")
+            return raw
+        try:
+            return hook_threads.call_with_timeout(compiled.step, [kv, batch], timeout, f"{target.label}.step")
+        except hook_threads.CallTimeout:
+            raise TimeoutError(f"step did not return within {timeout:g} s") from None
 
     @staticmethod
     def _record(cache: PagedKVCache, chunks: list[SeqChunk], *, advanced: bool = False) -> None:
