@@ -193,3 +193,38 @@ def test_many_sequences_get_a_cache_each_within_the_budget(gguf_file: Path, monk
     assert big.n_ctx == 256
     monkeypatch.setenv("DSPARK_LLAMACPP_KV", "split")
     assert dec.allocate(256, 32).n_ctx == 32 * 256
+
+
+def test_cancel_from_another_thread_stops_a_decode_and_the_context_goes_on(gguf_file: Path) -> None:
+    # The engine's watchdog calls cancel() (API 1.11) from its own thread while a step runs on the engine's.
+    import threading
+    import time
+
+    model = runtime.Model(gguf_file)
+    ctx = runtime.Context(model, n_ctx=256, n_seq_max=1, n_batch=256, threads=1)
+    toks = np.arange(200) % VOCAB
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def decode_until_cancelled() -> None:
+        while not stop.is_set():
+            try:
+                ctx.decode(np.zeros(200), toks, np.arange(200), _want(200, [199]))
+            except runtime.LlamaError as exc:
+                errors.append(exc)
+                return
+            finally:
+                ctx.drop(0, 0)
+
+    t = threading.Thread(target=decode_until_cancelled)
+    t.start()
+    deadline = time.monotonic() + 60
+    while t.is_alive():
+        assert time.monotonic() < deadline, "no decode was cancelled"
+        ctx.cancel()
+    stop.set()
+    t.join(10)
+    assert errors and "cancelled" in str(errors[0]), errors
+    out = ctx.decode(np.zeros(5), toks[:5], np.arange(5), _want(5, [4]))  # the next step runs as usual
+    fresh = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
+    np.testing.assert_allclose(out, fresh.decode(np.zeros(5), toks[:5], np.arange(5), _want(5, [4])), atol=1e-5)

@@ -23,7 +23,7 @@ from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.8"
+DSPARK_API_VERSION = "1.11"  # cancel(): steps run on the engine's thread
 
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
@@ -145,6 +145,7 @@ class LlamaDecoder:
         self.n_batch = max(64, min(spec.max_num_tokens, 4096))
         self.vocab = spec.vocab_size
         self.max_len = spec.max_position_embeddings
+        self._running: Any = None  # the context a step is decoding in (what cancel() stops)
         if model.n_vocab < spec.vocab_size:
             raise ValueError(f"{model.path}: llama.cpp reads {model.n_vocab} tokens, the model has {spec.vocab_size}")
 
@@ -168,8 +169,18 @@ class LlamaDecoder:
             kv.drop(seq, first)
         want = np.zeros(batch.num_tokens, np.int8)
         want[batch.logit_rows] = 1
-        logits: np.ndarray = kv.decode(batch.seq_ids, batch.input_ids, batch.positions, want)
+        self._running = kv
+        try:
+            logits: np.ndarray = kv.decode(batch.seq_ids, batch.input_ids, batch.positions, want)
+        finally:
+            self._running = None
         return logits[:, : self.vocab] if logits.shape[1] != self.vocab else logits
+
+    def cancel(self) -> None:
+        """Stop the step running now (API 1.11: the engine's watchdog, past the step's deadline)."""
+        kv = self._running
+        if kv is not None:
+            kv.cancel()
 
 
 @hookimpl

@@ -20,11 +20,7 @@ from typing import Any
 
 import numpy as np
 
-# OpenMP's worker threads spin after each parallel region by default; beside the engine's own threads
-# (torch samples on the same cores) that spin starves them. Must be set before libgomp loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
-from llama_cpp import llama_cpp as C  # noqa: E402
+from llama_cpp import llama_cpp as C
 
 _lock = threading.Lock()
 _ready = False
@@ -68,6 +64,18 @@ def system_info() -> str:
 
 class LlamaError(RuntimeError):
     pass
+
+
+def _abort_check() -> Any:
+    """llama.cpp's abort callback (``bool (*)(void * data)``, asked between graph nodes) as a C function that
+    reads a flag without entering Python: libc's ``strlen`` over a two-byte buffer ``[flag, 0]`` answers 0
+    (go on) or 1 (abort). A Python callback takes the GIL at every node of every step (a twentieth of a
+    decode step of the embedded model)."""
+    libc = ctypes.CDLL(None)
+    return C.ggml_abort_callback(ctypes.cast(libc.strlen, ctypes.c_void_p).value)
+
+
+_ABORT: Any = None
 
 
 class Model:
@@ -127,6 +135,11 @@ class Context:
             why = "; ".join(_last_errors[-3:]) or "llama_init_from_model returned NULL"
             raise LlamaError(f"a context of {n_ctx} tokens x {n_seq_max} sequences: {why}")
         self.ptr = ctx
+        global _ABORT
+        if _ABORT is None:
+            _ABORT = _abort_check()
+        self._abort = (ctypes.c_char * 2)()  # [flag, 0]: cancel() sets the flag, each decode clears it
+        C.llama_set_abort_callback(ctx, _ABORT, ctypes.addressof(self._abort))
         self.mem = C.llama_get_memory(ctx)
         self.n_ctx = int(C.llama_n_ctx(ctx))
         self.n_batch = n_batch
@@ -182,6 +195,7 @@ class Context:
             order = np.argsort(slots, kind="stable")
             slots, tokens, positions, want = slots[order], tokens[order], positions[order], want[order]
         parts = []
+        self._abort[0] = b"\x00"
         for a in range(0, n, self.n_batch):
             b = min(n, a + self.n_batch)
             m = b - a
@@ -192,18 +206,25 @@ class Context:
             self._batch.n_tokens = m
             rc = C.llama_decode(self.ptr, self._batch)
             if rc != 0:
-                what = "no free KV cells" if rc == 1 else f"llama_decode returned {rc}"
+                what = ("no free KV cells" if rc == 1 else "cancelled" if rc == 2 and self._abort[0] != b"\x00"
+                        else f"llama_decode returned {rc}")
                 raise LlamaError(f"{what} ({m} rows, {len(self.slots)} sequences, n_ctx {self.n_ctx})")
             r = int(want[a:b].sum())
             if r:
                 ptr = C.llama_get_logits(self.ptr)
                 parts.append(np.ctypeslib.as_array(ptr, shape=(r, self.n_vocab)).copy())
+        if self._abort[0] != b"\x00":  # cancelled after its last node: still a cancelled step
+            raise LlamaError(f"cancelled ({n} rows, {len(self.slots)} sequences)")
         if not parts:
             return np.zeros((0, self.n_vocab), np.float32)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if order is not None:  # back to the caller's row order
             out = out[np.argsort(order[want.astype(bool)], kind="stable")]
         return out
+
+    def cancel(self) -> None:
+        """Stop the running ``decode`` at its graph's next node (from any thread): it raises "cancelled"."""
+        self._abort[0] = b"\x01"
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
