@@ -13,12 +13,10 @@ with the stop checks and detokenizing, and building the outputs. Pieces nest (``
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def main() -> None:

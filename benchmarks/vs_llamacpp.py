@@ -198,7 +198,6 @@ def child_llamacpp_single(spec: dict[str, Any]) -> dict[str, Any]:
 
     import numpy as np
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     from llama_cpp import llama_cpp as C
 
     base = _rss_mb("VmRSS")
@@ -277,9 +276,7 @@ def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) ->
         if spec:
             cmd += ["-md", str(FILES / DRAFT), "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
                     "--spec-draft-n-min", "0", "-ctkd", "f32", "-ctvd", "f32"]
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(OUT / f"server-{kind}-{port}.log", "wb"),
-                            env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(OUT / f"server-{kind}-{port}.log", "wb"))
     return proc, port, "/health"
 
 
@@ -362,7 +359,7 @@ def run_child(contender: str, spec: dict[str, Any]) -> dict[str, Any]:
     f = OUT / f"spec-{os.getpid()}.json"
     f.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, __file__, "--child", contender, "--spec", str(f)], capture_output=True,
-                          text=True, timeout=1800, env={**os.environ, "OMP_WAIT_POLICY": "passive"})
+                          text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{contender} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
