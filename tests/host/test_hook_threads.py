@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import pytest
-from dspark.host.hook_threads import CallTimeout, call_with_timeout
+from dspark.host.hook_threads import IDLE_NAME, CallTimeout, call_with_timeout, retire_idle
 from dspark.host.hostinfo import cpu_benchmark_lock
 
 
@@ -56,3 +56,23 @@ def test_a_call_queued_behind_a_hung_call_still_times_out() -> None:
     finally:
         hang.set()
     _wait_for(lambda: not cpu_benchmark_lock.locked(), 30, "the hung call to let go of the lock")
+
+
+def test_retired_idle_workers_end_and_take_their_thread_local_state_with_them() -> None:
+    # What a worker's thread holds (an OpenMP team, here a thread-local value) ends with it; calls go on.
+    local = threading.local()
+    ended = threading.Event()
+
+    class Held:
+        def __del__(self) -> None:
+            ended.set()
+
+    def hold() -> str:
+        local.held = Held()
+        return threading.current_thread().name
+
+    assert call_with_timeout(hold, [], 30, "t.hold") == "dspark-hook-t.hold"
+    assert retire_idle() >= 1
+    assert ended.wait(30), "the retired worker's thread-local state outlived it"
+    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == IDLE_NAME], 30, "the idle workers to end")
+    assert call_with_timeout(lambda: 7, [], 30, "t.after") == 7  # a new worker

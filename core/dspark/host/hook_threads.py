@@ -9,6 +9,12 @@ if its call ever returns. A worker is named ``dspark-hook-<plugin.hook>``
 while it runs a call and ``dspark-hook-idle`` otherwise, so a process can
 tell a hung plugin (``dspark.cli.main`` exits without waiting for it) from
 an idle worker.
+
+:func:`retire_idle` ends the idle workers, and with them whatever a runtime kept per thread: OpenMP
+keeps a thread team per calling thread, torch and llama.cpp share one libgomp, and while a worker that
+had run torch's parallel code (a device probe's benchmark) stayed alive, libgomp counted more threads
+than cores, stopped spinning, and llama.cpp's decode step on the engine's thread took twice as long.
+The engine retires them once built, and before it times the decoders.
 """
 
 from __future__ import annotations
@@ -32,14 +38,17 @@ class CallTimeout(Exception):
 
 class _Worker:
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Callable[..., Any], list[Any], dict[str, Any], _thread.LockType, str]] = \
-            queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[Callable[..., Any], list[Any], dict[str, Any], _thread.LockType, str]
+                                     | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=IDLE_NAME, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            fn, args, box, done, label = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:  # retired
+                return
+            fn, args, box, done, label = job
             self.thread.name = f"dspark-hook-{label}"
             try:
                 box["value"] = fn(*args)
@@ -59,6 +68,16 @@ class _Worker:
 _lock = threading.Lock()
 _idle: list[_Worker] = []
 _abandoned: set[int] = set()  # workers whose call timed out and has not returned
+
+
+def retire_idle() -> int:
+    """End every idle worker (a later call starts a new one); returns how many. Busy workers are left alone."""
+    with _lock:
+        idle = list(_idle)
+        _idle.clear()
+    for w in idle:
+        w.jobs.put(None)
+    return len(idle)
 
 
 def _excused(ident: int | None, before: float) -> float:

@@ -185,3 +185,17 @@ def test_the_async_engine_is_built_and_stepped_on_one_thread() -> None:
     finally:
         engine.shutdown()
     assert plugin.names == {"dspark-llm-engine"}, plugin.names
+
+
+def test_no_idle_plugin_worker_outlives_the_engines_build() -> None:
+    # A worker thread that ran a plugin's torch code keeps an OpenMP team alive, which slows the steps of every
+    # OpenMP runtime after it (dspark.host.hook_threads): the build retires them.
+    from dspark.host.hook_threads import IDLE_NAME, call_with_timeout
+
+    call_with_timeout(lambda: None, [], 30, "t.before")  # an idle worker exists now
+    assert [t for t in threading.enumerate() if t.name == IDLE_NAME]
+    _engine("cpu")
+    deadline = time.monotonic() + 30
+    while [t for t in threading.enumerate() if t.name == IDLE_NAME]:
+        assert time.monotonic() < deadline, "idle plugin workers outlived the build"
+        time.sleep(0.01)

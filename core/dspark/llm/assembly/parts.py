@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark.host import hook_threads
 from dspark.llm.config import EngineConfig
 from dspark.llm.gguf import load_runner
 from dspark.llm.inputs import InputProcessor
@@ -157,6 +158,9 @@ class _Builder:
             spec = SpecDecoder(cfg.speculative, runner=runner, cache=cache, model_path=self.model_path,
                                max_model_len=max_len, max_batch_size=cfg.max_batch_size, eos_ids=set(eos_ids),
                                default_gen=default_gen, host=self.devices.host, place_decoder=self.place_decoder)
+        # Threads the build's plugin calls left behind (a probe's torch benchmark leaves an OpenMP team on its
+        # worker) would slow the steps from here on: see dspark.host.hook_threads.
+        hook_threads.retire_idle()
         self.built = EngineParts(
             model_path=self.model_path, config=cfg, runner=runner, cache=cache, tokenizer=tokenizer, inputs=inputs,
             devices=self.devices, gguf=self.gguf, device_map=self.device_map, quant_plan=self.quant_plan,
