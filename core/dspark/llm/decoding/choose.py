@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
-_NAMESPACE = "decoder-timings-v4"  # v4: keyed by the host's CPU too (a machine's cache moved to another CPU)
+_NAMESPACE = "decoder-timings-v5"  # v5: timed in settled blocks, idle workers retired; keyed by the host CPU (v4)
 _PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
 _CONTEXT = 128  # tokens each timed sequence holds
 
