@@ -156,10 +156,11 @@ class LLMEngine:
             logits[i] = self._prompt_logprobs(planned[i].seq, logits[i])
         picks: dict[int, int] = {}
         if prop is None:
-            # Greedy rows take one batched argmax (the same pick as sample() makes row by row). With
-            # speculation every row samples in turn, keeping the order the shared generator is drawn in.
+            # Greedy rows take one batched argmax (the same pick as sample() makes row by row; numpy's, a
+            # fifth of torch's dispatch for one row). With speculation every row samples in turn, keeping
+            # the order the shared generator is drawn in.
             greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
-            if len(greedy) > 1:
+            if greedy:
                 picks = dict(zip(greedy, argmax_rows([logits[i] for i in greedy])))
             picks.update(self._sample_processed(planned, logits))
         outputs = []
