@@ -87,6 +87,7 @@ class OpenVINODecoder:
         self._running: Any = None  # the request a step is running on (what cancel() stops)
         self._cancelled = False
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
+        self._held: dict[tuple[int, str], np.ndarray] = {}  # (id of a request, input) -> the array it reads
         self._names: dict[int, set[str]] = {}  # id of a request -> its input names (gathered attention)
         if self.gathered:
             self.block_size = BLOCK_SIZE  # any: the engine may set its own
@@ -118,8 +119,6 @@ class OpenVINODecoder:
         return self._exits[exit_layer]
 
     def step(self, kv: list[tuple[Any, Any]], batch: StepBatch) -> np.ndarray:
-        import openvino as ov
-
         with self._lock:
             req = self._request(batch.exit_layer)
             a = self.spec.layers[0]
@@ -140,11 +139,24 @@ class OpenVINODecoder:
                 feed["hidden"] = batch.hidden
             if req is not self.request or self.spec.last:
                 feed["logit_rows"] = batch.logit_rows
-            for name, value in feed.items():  # (ascontiguousarray would make the 0-d max_context_len 1-d)
-                req.set_tensor(name, ov.Tensor(value if value.flags.c_contiguous else np.ascontiguousarray(value),
-                                               shared_memory=True))
+            for name, value in feed.items():
+                self._feed(req, name, value)
             self._infer(req)
             return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+
+    def _feed(self, req: Any, name: str, value: np.ndarray) -> None:
+        """``value`` into input ``name`` of ``req``. Each input is bound once to an array of this decoder's that
+        the request reads in place (a shared tensor); a step of the same shape refills that array rather than
+        wrapping and setting a new tensor (7 inputs a step: 0.039 ms of set_tensor)."""
+        import openvino as ov
+
+        key = (id(req), name)
+        held = self._held.get(key)
+        if held is not None and held.shape == value.shape and held.dtype == value.dtype:
+            np.copyto(held, value)
+            return
+        held = self._held[key] = np.array(value, order="C")  # owned: the batch's arrays are the engine's
+        req.set_tensor(name, ov.Tensor(held, shared_memory=True))
 
     def _infer(self, req: Any) -> None:
         self._cancelled = False
