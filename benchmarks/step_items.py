@@ -7,7 +7,8 @@ runs after a warm-up) and prints, per step and as the median of the runs, the wa
 each wrapped piece: the scheduler, building the step's chunks, the runner (the plugin's compiled step, the
 watchdog's thread hand-off around it, building the batch, splitting the logits), sampling, appending tokens
 with the stop checks and detokenizing, and building the outputs. Pieces nest (``runner.step`` holds
-``thread+step``, which holds ``compiled.step``); each wrapper adds about a microsecond.
+``thread+step``, which holds ``compiled.step``); each wrapper adds about a microsecond. A decoder that
+offers ``cancel`` (plugin API 1.11) steps on the engine's thread: it has no ``thread+step``.
 """
 
 from __future__ import annotations
