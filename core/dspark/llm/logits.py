@@ -240,6 +240,14 @@ def _counts(seq: Any, vocab: int) -> PenaltyCounts:
     return pc.sync(seq.output_ids)
 
 
+def argmax_last(x: torch.Tensor) -> Any:
+    """``x.argmax(-1).tolist()``, through numpy for CPU rows: torch's argmax over [9, 8192] took 26 us in float32
+    and 133 us in bfloat16, numpy's 4 and 10 (with the cast). The first maximum, as torch's."""
+    if x.device.type == "cpu" and not x.requires_grad:
+        return (x if x.dtype == torch.float32 else x.float()).numpy().argmax(-1).tolist()
+    return x.argmax(-1).tolist()
+
+
 def argmax_rows(rows: Seq[torch.Tensor]) -> list[int]:
     """Greedy picks of several fp32 rows at once. Rows that are consecutive views of one tensor (a
     compiled decoder's logits) are read in place rather than stacked; numpy's argmax over a batch

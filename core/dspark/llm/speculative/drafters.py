@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dspark.llm.logits import argmax_last
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.model import ModelRunner, SeqChunk
 from dspark.types import Draft, DraftRequest
@@ -80,7 +81,7 @@ def _pick(logits: torch.Tensor, reqs: list[DraftRequest]) -> tuple[list[int], li
     confs: list[float] = []
     qs: list[torch.Tensor | None] = []
     greedy = torch.softmax(logits, dim=-1)
-    best = torch.argmax(logits, dim=-1).tolist()
+    best = argmax_last(logits)
     for i, r in enumerate(reqs):
         if r.temperature > 0:
             q = torch.softmax(logits[i] / r.temperature, dim=-1)

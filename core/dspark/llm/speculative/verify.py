@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dspark.llm.logits import Constraint, TokenLogprobs, batch_logprobs, process
+from dspark.llm.logits import Constraint, TokenLogprobs, argmax_last, batch_logprobs, process
 from dspark.llm.sampling import distribution
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def accept_greedy_blocks(drafts: list[list[int]], hidden: list[torch.Tensor],
         parts = [hidden[i][pos[i]:pos[i] + block] if first and split(len(drafts[i]), block) else hidden[i][pos[i]:]
                  for i in active]
         first = False
-        best = torch.argmax(head(torch.cat(parts) if len(parts) > 1 else parts[0]), dim=-1).tolist()
+        best = argmax_last(head(torch.cat(parts) if len(parts) > 1 else parts[0]))
         o, still = 0, []
         for i, part in zip(active, parts):
             d, toks = drafts[i], out[i]
@@ -184,7 +184,7 @@ def accept_processed(seq: Sequence, draft: list[int], q: torch.Tensor | None, ro
         row = process(rows[j], seq.prompt_ids, outs, p, seq.constraint, eos_ids) if busy else rows[j]
         kept = False
         if p.greedy:
-            t = int(torch.argmax(row))
+            t = int(argmax_last(row))
             kept = j < len(draft) and t == draft[j]
         elif j < len(draft):
             got = accept_row(draft[j], None if q is None else q[j], distribution(row, p), gen)
