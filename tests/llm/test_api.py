@@ -34,6 +34,30 @@ def test_generate_outputs_in_order(make_llm: Callable[..., Any]) -> None:
     assert all(o.finished and o.finish_reason == "length" for o in outs)
 
 
+def test_a_step_for_finished_requests_only_gives_the_same_results(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm()
+    eng = llm.engine
+    params = [GREEDY.model_copy(update={"max_tokens": n}) for n in (3, 9, 6)]
+    every: dict[str, Any] = {}
+    for i, p in enumerate(params):
+        eng.add_request(f"all-{i}", "def hello", p)
+    while eng.has_unfinished():
+        for out in eng.step():
+            every.setdefault(out.request_id, []).append(out)
+    only: dict[str, Any] = {}
+    for i, p in enumerate(params):
+        eng.add_request(f"fin-{i}", "def hello", p)
+    while eng.has_unfinished():
+        for out in eng.step(finished_only=True):
+            assert out.finished and out.request_id not in only
+            only[out.request_id] = out
+    for i in range(3):
+        last, fin = every[f"all-{i}"][-1], only[f"fin-{i}"]
+        assert (fin.token_ids, fin.text, fin.finish_reason) == (last.token_ids, last.text, last.finish_reason)
+        assert fin.delta == "".join(o.delta for o in every[f"all-{i}"])  # all the text not yet emitted
+    assert eng.cache.all_free()
+
+
 def test_stream_matches_generate_and_break_aborts(make_llm: Callable[..., Any]) -> None:
     llm = make_llm()
     params = GREEDY.model_copy(update={"max_tokens": 16})

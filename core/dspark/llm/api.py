@@ -63,9 +63,8 @@ class LLM:
             for s in seqs:
                 self.engine.add_sequence(s)
             while len(final) < n:
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
+                for out in self.engine.step(finished_only=True):
+                    final[out.request_id] = out
         finally:
             for r in rids:
                 if r not in final:
