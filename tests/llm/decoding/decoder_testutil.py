@@ -37,11 +37,12 @@ def greedy(n: int = 24) -> list[SamplingParams]:
 
 
 class Renamed:
-    """OpenVINO's decoder (the cpu plugin's) under another name (``RUNTIME``); subclasses change what a step does
-    (``_step``) or wrap the compiled decoder themselves."""
+    """OpenVINO's decoder (the cpu plugin's) under another name (``RUNTIME``); subclasses change what a step and
+    an allocation do (``_step``, ``_allocate``), and with ``CANCELS`` the decoder offers ``cancel`` (``_cancel``)."""
 
     DSPARK_API_VERSION = "1.6"
     RUNTIME = "renamed/CPU"
+    CANCELS = False
     steps = 0
 
     @hookimpl
@@ -67,15 +68,25 @@ class Renamed:
             block_size = inner.block_size
 
             def allocate(self, n: int) -> Any:
-                return inner.allocate(n)
+                return plugin._allocate(inner, n)
 
             def step(self, kv: Any, batch: Any) -> Any:
                 return plugin._step(inner, kv, batch)
 
-        return Wrapped()
+        class Cancelling(Wrapped):
+            def cancel(self) -> None:
+                plugin._cancel(inner)
+
+        return Cancelling() if self.CANCELS else Wrapped()
 
     def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
         raise NotImplementedError
+
+    def _allocate(self, inner: Any, n: int) -> Any:
+        return inner.allocate(n)
+
+    def _cancel(self, inner: Any) -> None:
+        inner.cancel()
 
 
 class Faulty(Renamed):

@@ -14,14 +14,12 @@ from typing import Any
 import pytest
 from decoder_testutil import MODEL, PROMPTS, Faulty, Renamed, float_engine, greedy, run_prompts
 
-from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 
 openvino = pytest.importorskip("openvino")
-from dspark_plugins_cpu import decoder as ov_decoder  # noqa: E402
 
 _run, _engine, _greedy = run_prompts, float_engine, greedy
 
@@ -52,34 +50,22 @@ class _Cancellable(Renamed):
 
     DSPARK_API_VERSION = "1.11"
     RUNTIME = "cancellable/CPU"
+    CANCELS = True
 
     def __init__(self, fail_at: int) -> None:
         self.fail_at, self.steps = fail_at, 0
         self.cancelled = threading.Event()
         self.threads: set[int] = set()
 
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        inner = ov_decoder.compile_decoder(decoder, device)
-        plugin = self
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.threads.add(threading.get_ident())
+        self.steps += 1
+        if self.steps == self.fail_at and self.cancelled.wait(60.0):
+            raise RuntimeError("step cancelled")
+        return inner.step(kv, batch)
 
-        class Wrapped:
-            block_size = inner.block_size
-
-            def allocate(self, n: int) -> Any:
-                return inner.allocate(n)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                plugin.threads.add(threading.get_ident())
-                plugin.steps += 1
-                if plugin.steps == plugin.fail_at and plugin.cancelled.wait(60.0):
-                    raise RuntimeError("step cancelled")
-                return inner.step(kv, batch)
-
-            def cancel(self) -> None:
-                plugin.cancelled.set()
-
-        return Wrapped()
+    def _cancel(self, inner: Any) -> None:
+        self.cancelled.set()
 
 
 def test_a_decoder_that_can_cancel_steps_on_the_engines_thread_and_a_hung_step_is_cancelled() -> None:
@@ -135,30 +121,18 @@ class _ThreadNames(Renamed):
 
     DSPARK_API_VERSION = "1.11"
     RUNTIME = "threads/CPU"
+    CANCELS = True
 
     def __init__(self) -> None:
         self.names: set[str] = set()
 
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        inner = ov_decoder.compile_decoder(decoder, device)
-        plugin = self
+    def _allocate(self, inner: Any, n: int) -> Any:
+        self.names.add(threading.current_thread().name)
+        return inner.allocate(n)
 
-        class Wrapped:
-            block_size = inner.block_size
-
-            def allocate(self, n: int) -> Any:
-                plugin.names.add(threading.current_thread().name)
-                return inner.allocate(n)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                plugin.names.add(threading.current_thread().name)
-                return inner.step(kv, batch)
-
-            def cancel(self) -> None:
-                inner.cancel()
-
-        return Wrapped()
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.names.add(threading.current_thread().name)
+        return inner.step(kv, batch)
 
 
 def test_the_async_engine_is_built_and_stepped_on_one_thread() -> None:
