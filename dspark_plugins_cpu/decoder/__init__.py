@@ -86,6 +86,7 @@ class OpenVINODecoder:
         self.request = self.compiled.create_infer_request()
         self._running: Any = None  # the request a step is running on (what cancel() stops)
         self._cancelled = False
+        self._cancel_lock = threading.Lock()
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
         self._held: dict[tuple[int, str], np.ndarray] = {}  # (id of a request, input) -> the array it reads
         self._names: dict[int, set[str]] = {}  # id of a request -> its input names (gathered attention)
@@ -159,22 +160,23 @@ class OpenVINODecoder:
         req.set_tensor(name, ov.Tensor(held, shared_memory=True))
 
     def _infer(self, req: Any) -> None:
-        self._cancelled = False
-        self._running = req
+        with self._cancel_lock:  # a cancel meant for this step reaches this step only
+            self._cancelled, self._running = False, req
         try:
             req.infer()
         finally:
-            self._running = None
-        if self._cancelled:  # a cancel that reached the request before its inference began is not lost
+            with self._cancel_lock:
+                cancelled, self._running = self._cancelled, None
+        if cancelled:  # also a cancel that reached the request before its inference began
             raise RuntimeError("step cancelled")
 
     def cancel(self) -> None:
         """Stop the step running now (API 1.11: the engine's watchdog, past the step's deadline): its
         ``infer`` raises, or the step raises once it returns."""
-        req = self._running
-        if req is not None:
-            self._cancelled = True
-            req.cancel()
+        with self._cancel_lock:
+            if self._running is not None:
+                self._cancelled = True
+                self._running.cancel()
 
     def _step_gathered(self, req: Any, kv: list[tuple[np.ndarray, np.ndarray]], batch: StepBatch) -> np.ndarray:
         import openvino as ov

@@ -146,6 +146,7 @@ class LlamaDecoder:
         self.vocab = spec.vocab_size
         self.max_len = spec.max_position_embeddings
         self._running: Any = None  # the context a step is decoding in (what cancel() stops)
+        self._cancel_lock = threading.Lock()
         if model.n_vocab < spec.vocab_size:
             raise ValueError(f"{model.path}: llama.cpp reads {model.n_vocab} tokens, the model has {spec.vocab_size}")
 
@@ -169,18 +170,20 @@ class LlamaDecoder:
             kv.drop(seq, first)
         want = np.zeros(batch.num_tokens, np.int8)
         want[batch.logit_rows] = 1
-        self._running = kv
+        with self._cancel_lock:  # a cancel meant for this step reaches this step only
+            self._running = kv
         try:
             logits: np.ndarray = kv.decode(batch.seq_ids, batch.input_ids, batch.positions, want)
         finally:
-            self._running = None
+            with self._cancel_lock:
+                self._running = None
         return logits[:, : self.vocab] if logits.shape[1] != self.vocab else logits
 
     def cancel(self) -> None:
         """Stop the step running now (API 1.11: the engine's watchdog, past the step's deadline)."""
-        kv = self._running
-        if kv is not None:
-            kv.cancel()
+        with self._cancel_lock:
+            if self._running is not None:
+                self._running.cancel()
 
 
 @hookimpl
