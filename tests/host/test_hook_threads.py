@@ -67,12 +67,13 @@ def test_retired_idle_workers_end_and_take_their_thread_local_state_with_them() 
         def __del__(self) -> None:
             ended.set()
 
-    def hold() -> str:
+    def hold() -> threading.Thread:
         local.held = Held()
-        return threading.current_thread().name
+        return threading.current_thread()
 
-    assert call_with_timeout(hold, [], 30, "t.hold") == "dspark-hook-t.hold"
+    worker = call_with_timeout(hold, [], 30, "t.hold")
+    assert worker is not threading.current_thread() and worker.name == IDLE_NAME  # back in the idle set
     assert retire_idle() >= 1
     assert ended.wait(30), "the retired worker's thread-local state outlived it"
-    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == IDLE_NAME], 30, "the idle workers to end")
+    _wait_for(lambda: not worker.is_alive(), 30, "the retired worker to end")
     assert call_with_timeout(lambda: 7, [], 30, "t.after") == 7  # a new worker
