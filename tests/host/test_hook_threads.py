@@ -75,5 +75,6 @@ def test_retired_idle_workers_end_and_take_their_thread_local_state_with_them() 
     assert worker is not threading.current_thread() and worker.name == IDLE_NAME  # back in the idle set
     assert retire_idle() >= 1
     assert ended.wait(30), "the retired worker's thread-local state outlived it"
-    _wait_for(lambda: not worker.is_alive(), 30, "the retired worker to end")
+    worker.join(30)
+    assert not worker.is_alive(), "the retired worker did not end"
     assert call_with_timeout(lambda: 7, [], 30, "t.after") == 7  # a new worker

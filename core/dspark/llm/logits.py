@@ -254,12 +254,10 @@ def argmax_rows(rows: Seq[torch.Tensor]) -> list[int]:
     on the CPU is several times faster than torch's."""
     first = rows[0]
     n, v = len(rows), first.shape[-1]
-    if n == 1 and first.device.type == "cpu" and first.dtype == torch.float32:  # one request at a time
-        return [int(first.numpy().argmax())]
+    if n == 1:  # one request at a time
+        return [int(argmax_last(first))]
     flat = (first.device.type == "cpu" and first.dtype == torch.float32 and first.is_contiguous()
             and all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                     and r.storage_offset() == first.storage_offset() + i * v for i, r in enumerate(rows)))
     x = first.as_strided((n, v), (v, 1)) if flat else torch.stack(list(rows))
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return x.numpy().argmax(-1).tolist()  # first maximum, as torch.argmax
-    return x.argmax(-1).tolist()
+    return argmax_last(x)  # type: ignore[no-any-return]

@@ -51,8 +51,7 @@ def compare(outputs: Any, reference: dict[str, np.ndarray], expected_names: list
             err = np.abs(np.nan_to_num(g - r))
         worst_abs = max(worst_abs, float(err.max(initial=0.0)))
         worst_rel = max(worst_rel, float((err / np.maximum(np.abs(r), 1e-12)).max(initial=0.0)))
-        finite = np.abs(r[np.isfinite(r)])
-        scale = 1.0 if tolerance is not None else max(1.0, float(finite.max(initial=0.0)))
+        scale = 1.0 if tolerance is not None else max(1.0, float(np.abs(r[np.isfinite(r)]).max(initial=0.0)))
         if not np.allclose(g, r, rtol=rtol, atol=atol * scale, equal_nan=True):
             return False, (f"output {name!r}: max abs err {worst_abs:.3g}, max rel err {worst_rel:.3g} "
                            f"exceed {precision} tolerance (rtol {rtol:g}, atol {atol:g} x scale {scale:.3g})")
