@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.11).
+"""The dspark plugin contract (API version 1.12).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.11"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.12"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -25,7 +25,8 @@ plugin supplies (:class:`~dspark.sdk.family.DecoderOps`); ``DecoderSpec`` spells
 changes (per-layer windows and RoPE tables, scales, soft-caps, activation) and ``LayerWeights``
 carries Gemma's output norms. API 1.11 lets a compiled decoder offer ``cancel()``: its steps then
 run on the engine's own thread, a watchdog cancelling one that passes its deadline, instead of on a
-watchdog thread.
+watchdog thread. API 1.12 hands a decoder the model's weights in the precision the engine holds
+them (``DecoderSpec.weights(stored=True)``), so no float32 copy of a half-precision model is made.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.11"
+API_VERSION = "1.12"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from dspark.sdk.decoder import DecoderSpec
     from dspark.types import QuantSpec
 
+_HALF = {"bfloat16": "bf16", "float16": "f16"}  # numpy dtype name of a stored weight -> OpenVINO type
+_DECOMPRESSION = "decompression_0"  # rt_info key OpenVINO's Decompression attribute is stored under
 PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
 I64 = np.int64
 
@@ -64,6 +66,29 @@ class OpenVINOOps:
     def const(self, a: Any, dtype: Any = np.float32) -> Any:
         return self.o.constant(np.asarray(a, dtype=dtype))
 
+    def _stored(self, a: np.ndarray) -> Any | None:
+        """A half-precision weight (``spec.weights(stored=True)``) as a constant of its own type; None for
+        float32. OpenVINO owns the copy, so the engine may drop its tensors once compiled."""
+        kind = _HALF.get(a.dtype.name)
+        if kind is None:
+            return None
+        a = np.ascontiguousarray(a)
+        bits = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+        return self.ov.op.Constant(self.ov.Tensor(bits, list(a.shape), getattr(self.ov.Type, kind)),
+                                   shared_memory=False)
+
+    def weight(self, a: np.ndarray) -> Any:
+        """A projection's weight as the MatMul takes it (float32): a half-precision one is kept so and
+        widened by a Convert marked as weight decompression, the pattern of OpenVINO's own half-precision
+        IR, which its CPU plugin packs for its kernels as they are; unmarked, the compile folds the
+        Convert and keeps a float32 copy beside the packed one (3x the weights' bytes held in all)."""
+        c = self._stored(a)
+        if c is None:
+            return self.const(a)
+        widened = self.o.convert(c, "f32")
+        widened.get_rt_info()[_DECOMPRESSION] = ""  # the key of ov::mark_as_decompression; its value is unused
+        return widened
+
     def _positions(self) -> Any:
         return self.param("position_ids", [-1], self.ov.Type.i64)
 
@@ -78,7 +103,10 @@ class OpenVINOOps:
         ids = self.param("input_ids", [-1], self.ov.Type.i64)
         self._positions()  # every range takes positions, in the same order as before
         if quant is None:
-            return self.o.gather(self.const(table), ids, self.const(0, I64))
+            stored = self._stored(table)
+            if stored is None:
+                return self.o.gather(self.const(table), ids, self.const(0, I64))
+            return self.o.convert(self.o.gather(stored, ids, self.const(0, I64)), "f32")  # the rows widened
         from dspark.sdk import quantize_weight
 
         qe = quantize_weight(np.asarray(table.T, dtype=np.float32), quant)  # [hidden, vocab], scales [1, vocab]
@@ -128,7 +156,7 @@ class OpenVINOOps:
     def linear(self, x: Any, weight: np.ndarray, bias: np.ndarray | None, quant: QuantSpec | None,
                name: str) -> Any:
         # [out, in] (the fully-connected layout OpenVINO's CPU plugin packs), or compressed per quant.
-        w = self.const(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
+        w = self.weight(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
         y = self.o.matmul(x, w, transpose_a=False, transpose_b=True)
         return y if bias is None else self.o.add(y, self.const(bias))
 
@@ -244,7 +272,7 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVI
     """Layers ``[a, b)`` of the model as an OpenVINO model; ``head``: end in the final norm and head over
     ``logit_rows`` (the last layer of the model, or an early exit), else return the hidden state."""
     ops = ops or OpenVINOOps(spec)
-    out = forward(spec, ops, layers, head=head)
+    out = forward(spec, ops, layers, head=head, weights=spec.weights(stored=True))
     res = ops.o.result(out)
     res.output(0).get_tensor().set_names({"logits" if head else "hidden"})
     results = [res]

@@ -17,6 +17,7 @@ import pytest
 from decoder_testutil import MODEL, PROMPTS, Faulty, Renamed, float_engine, greedy, run_prompts
 
 from dspark.hookspecs import hookimpl
+from dspark.llm.assembly import parts
 from dspark.llm.decoding import choose
 from dspark.llm.decoding.runner import REFERENCE
 from dspark.host.plugin_manager import PluginHost
@@ -159,6 +160,17 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
                 for k in out}
 
     monkeypatch.setattr(choose, "time_targets", recorded)
+    loaded: weakref.WeakSet[Any] = weakref.WeakSet()  # every torch runner the build loads
+    loads: list[bool] = []
+    real_load = parts.load_runner
+
+    def load(*a: Any, **kw: Any) -> Any:
+        runner, gguf = real_load(*a, **kw)
+        loaded.add(runner)
+        loads.append(runner.is_weightless)
+        return runner, gguf
+
+    monkeypatch.setattr(parts, "load_runner", load)
     alive: weakref.WeakSet[Any] = weakref.WeakSet()
     seen: list[int] = []
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
@@ -171,6 +183,8 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     assert seen[:3] == [0, 0, 0]  # each timed, then the winner, compiled while no other's copy was alive
     runner = e.runner
     assert runner.reference.is_weightless  # the torch runner's copy went once a compiled decoder won
+    gc.collect()
+    assert loads == [False] and not [r for r in loaded if not r.is_weightless]  # nothing the engine keeps holds it
     live = [t.label for t in runner.targets if t.compiled is not None]
     assert live == [runner.current.label] == ["one@cpu"]  # the winner only: fallbacks are not compiled
     # The same choice by name, with the faulty decoder first: its failover compiles the next target then.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -19,25 +21,32 @@ if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
 
 
-def _np(t: torch.Tensor | None) -> np.ndarray | None:
+def _np(t: torch.Tensor | None, stored: bool = False) -> np.ndarray | None:
     if t is None:
         return None
     if t.numel() == 0:
         raise ValueError("a float weight was dropped by quantization; the spec needs the float checkpoint")
-    t = t.detach()
-    return (t if t.dtype == torch.float32 else t.float()).cpu().numpy()
+    t = t.detach().cpu()
+    if t.dtype == torch.float32 or (stored and t.dtype == torch.float16):
+        return t.numpy()
+    if stored and t.dtype == torch.bfloat16:  # the same bits seen as ml_dtypes' bfloat16: a view, no copy
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.float().numpy()
 
 
-def weights_of(runner: ModelRunner) -> DecoderWeights:
-    """The runner's weights in the spec's layout (views where the runner holds float32)."""
+def weights_of(runner: ModelRunner, stored: bool = False) -> DecoderWeights:
+    """The runner's weights in the spec's layout (views where the runner holds float32, or ``stored``)."""
+    def a(t: torch.Tensor | None) -> np.ndarray | None:
+        return _np(t, stored)
+
     layers = []
     for L in runner.layers:
         layers.append(LayerWeights(
-            in_norm=_np(L.in_norm), post_norm=_np(L.post_norm), qkv=_np(L.w_qkv_t), o=_np(L.w_o.t()),
-            gate_up=_np(L.w_gate_up_t), down=_np(L.w_down.t()), qkv_bias=_np(L.b_qkv), o_bias=_np(L.b_o),
-            q_norm=_np(L.q_norm), k_norm=_np(L.k_norm), attn_out_norm=_np(L.attn_out_norm),
-            mlp_out_norm=_np(L.mlp_out_norm)))
-    return DecoderWeights(embed=_np(runner.embed), norm=_np(runner.norm), head=_np(runner.lm_head_t), layers=layers)
+            in_norm=a(L.in_norm), post_norm=a(L.post_norm), qkv=a(L.w_qkv_t), o=a(L.w_o.t()),
+            gate_up=a(L.w_gate_up_t), down=a(L.w_down.t()), qkv_bias=a(L.b_qkv), o_bias=a(L.b_o),
+            q_norm=a(L.q_norm), k_norm=a(L.k_norm), attn_out_norm=a(L.attn_out_norm),
+            mlp_out_norm=a(L.mlp_out_norm)))
+    return DecoderWeights(embed=a(runner.embed), norm=a(runner.norm), head=a(runner.lm_head_t), layers=layers)
 
 
 def fingerprint(path: Path, runner: ModelRunner, extra: object = None) -> str:
@@ -75,15 +84,15 @@ class SpecWeights:
         self.runner = self._float = None
         self._load = load
 
-    def __call__(self) -> DecoderWeights:
+    def __call__(self, stored: bool = False) -> DecoderWeights:
         if self._load is not None:
-            return weights_of(float_runner(self.path, self.dtype) if self.quantized else self._load())
+            return weights_of(float_runner(self.path, self.dtype) if self.quantized else self._load(), stored)
         if not self.quantized:
             assert self.runner is not None
-            return weights_of(self.runner)
+            return weights_of(self.runner, stored)
         if self._float is None:
             self._float = float_runner(self.path, self.dtype)
-        return weights_of(self._float)
+        return weights_of(self._float, stored)
 
 
 def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None = None,
@@ -114,4 +123,4 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
-        weights_fn=weights_fn, rope_fn=rope_fn, rope_tables_fn=rope_tables_fn, **fields)
+        weights_fn=weights_fn, stored_weights_fn=functools.partial(weights_fn, stored=True), rope_fn=rope_fn, rope_tables_fn=rope_tables_fn, **fields)

@@ -1,0 +1,72 @@
+"""The `cpu` plugin's decoder holds a half-precision model's weights in that precision: no float32 copy
+kept beside the packed one (OpenVINO folds an unmarked widening into one)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dspark_plugins_cpu as plugin
+from dspark.llm.decoding.runner import DecoderRunner, Target
+from dspark.llm.decoding.spec import make_spec
+from dspark.llm.runner.model import ModelRunner
+from dspark.llm.runner.types import SeqChunk
+from dspark.types import Device
+from dspark_plugins_cpu.decoder import OpenVINODecoder
+
+MODEL = Path(__file__).resolve().parents[2] / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
+PROMPT = [5, 77, 310, 1024, 9, 4000, 12, 6, 501, 33, 2048, 7]
+
+
+def _device() -> Device:
+    cpu = [d for d in plugin.dspark_probe_devices(refresh=False) if isinstance(d, Device) and d.id == "cpu"]
+    assert len(cpu) == 1, cpu
+    return cpu[0]
+
+
+def _constants(dec: OpenVINODecoder) -> list[tuple[str, int]]:
+    """(element type, elements) of each constant of the compiled model: the weights as the runtime holds them."""
+    out = []
+    for op in dec.compiled.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        if "layerType" in rt and rt["layerType"].astype(str) == "Const":
+            n = int(np.prod([d.get_length() for d in op.get_output_partial_shape(0)]))
+            out.append((op.get_output_element_type(0).get_type_name(), n))
+    return out
+
+
+def _greedy_logits(dec: OpenVINODecoder, runner: ModelRunner, steps: int = 4) -> list[torch.Tensor]:
+    dr = DecoderRunner(ModelRunner.weightless(runner.cfg, runner.dtype), [Target("cpu@cpu", "openvino", dec, "cpu",
+                                                                              "cpu")], step_timeout_s=None, max_seqs=1)
+    cache = dr.make_cache(8, dec.block_size)
+    out, logits = dr.step(cache, [SeqChunk("s", PROMPT)]), []
+    for _ in range(steps):
+        logits.append(out[0].reshape(-1).float())
+        out = dr.step(cache, [SeqChunk("s", [int(logits[-1].argmax())])])
+    return logits
+
+
+def test_a_bfloat16_model_is_held_as_bfloat16_and_runs_as_from_float32_weights() -> None:
+    device = _device()
+    if "bfloat16" not in device.dtypes:
+        pytest.skip(f"OpenVINO has no bfloat16 kernels on this CPU ({device.name}): the engine holds float32")
+    runner = ModelRunner.from_pretrained(str(MODEL), torch.bfloat16)
+    spec = make_spec(runner, MODEL, max_num_tokens=64, max_num_seqs=1)
+    stored = OpenVINODecoder(spec, device)
+    widened = OpenVINODecoder(dataclasses.replace(spec, stored_weights_fn=None), device)  # float32 weights in
+    smallest = min(t.numel() for L in runner.layers for t in (L.w_qkv_t, L.w_o, L.w_gate_up_t, L.w_down))
+    params = sum(t.numel() for t in (runner.embed, *[t for L in runner.layers for t in (L.w_qkv_t, L.w_o,
+                                                                                        L.w_gate_up_t, L.w_down)]))
+    held, wide = _constants(stored), _constants(widened)
+    # No float32 constant the size of a projection (RoPE's tables are float32 and smaller); every weight bf16.
+    assert max(n for t, n in held if t == "f32") < smallest, held
+    assert sum(n for t, n in held if t == "bf16") >= params, held
+    assert sum(n for t, n in wide if t == "f32") >= params, wide  # what the marked widening avoids
+    got, want = _greedy_logits(stored, runner), _greedy_logits(widened, runner)
+    for g, w in zip(got, want, strict=True):  # the same bfloat16 values, so the same logits up to summation order
+        assert int(g.argmax()) == int(w.argmax())
+        assert float((g - w).abs().max()) <= 0.05 * float(w.abs().max()), (g - w).abs().max()
