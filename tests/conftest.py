@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ for _helpers in (_TESTS, _TESTS / "llm"):
 # One cache per test session, shared with the subprocesses the tests start and with pytest-xdist's
 # workers (they inherit the environment of the process that started them), so microbenchmarks run
 # once and the user's ~/.cache is never touched.
+_OWN_CACHE = not os.environ.get("DSPARK_TEST_SESSION_CACHE")  # made here, not inherited: removed at the end
 _CACHE = os.environ.get("DSPARK_TEST_SESSION_CACHE") or tempfile.mkdtemp(prefix="dspark-test-cache-")
 os.environ["DSPARK_TEST_SESSION_CACHE"] = os.environ["DSPARK_CACHE_DIR"] = _CACHE
 for var in ("DSPARK_PLUGINS", "DSPARK_DISABLE_PLUGIN_AUTOLOAD", "DSPARK_HOOK_TIMEOUT", "DSPARK_TRACE"):
@@ -35,3 +37,10 @@ os.environ["DSPARK_DECODER"] = "torch"
 @pytest.fixture(scope="session")
 def cache_dir() -> str:
     return _CACHE
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The session's cache goes with it (it holds mapped weight files, megabytes each), removed by the
+    process that made it: pytest-xdist's controller, after its workers."""
+    if _OWN_CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dspark.sdk import mapped
 from dspark.sdk.decoder import StepBatch
 from dspark.sdk.family import decline
 from dspark.types import DecoderBid
@@ -30,6 +31,7 @@ from dspark_plugins_cpu.decoder import ops as decoder_ops
 
 if TYPE_CHECKING:
     from dspark.sdk.decoder import DecoderSpec
+    from dspark.sdk import MappedWeights
     from dspark.types import Device
 
 _OV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -82,7 +84,11 @@ class OpenVINODecoder:
         self._lock = threading.Lock()
         self._exits: dict[int, Any] = {}
         self.gathered = spec.attn_softcap is not None
-        self.compiled = self._compile(spec.layers, head=spec.last)
+        self.weights_file = self._store()
+        self.compiled = self._compile(spec.layers, head=spec.last, store=self.weights_file)
+        if self.weights_file is not None:
+            self.weights_file.close()
+        self._unpacked = {False, True}  # steps of one row / of several not yet run: OpenVINO packs at the first
         self.request = self.compiled.create_infer_request()
         self._running: Any = None  # the request a step is running on (what cancel() stops)
         self._cancelled = False
@@ -98,9 +104,27 @@ class OpenVINODecoder:
         self._kv_shape = [spec.num_kv_heads, self.block_size, spec.head_dim]
         self._kv_type = self.compiled.input(f"key_cache.{spec.layers[0]}").get_element_type()
 
-    def _compile(self, layers: tuple[int, int], head: bool) -> Any:
-        model = decoder_ops.build(self.spec, layers, head=head)
+    def _store(self) -> MappedWeights | None:
+        """The file the weights' constants map (held once: OpenVINO's packed copy, the mapped pages dropped
+        after the first steps); None where mapping saves nothing or the plan quantizes (its own constants)."""
+        if not mapped.usable() or self.spec.quantization:
+            return None
+        key = {"fingerprint": self.spec.fingerprint, "layers": list(self.spec.layers), "head": self.spec.last,
+               "dtype": self.spec.dtype, "layout": decoder_ops.LAYOUT, "openvino": runtime.version()}
+        return mapped.MappedWeights(key)
+
+    def _compile(self, layers: tuple[int, int], head: bool, store: MappedWeights | None = None) -> Any:
+        model = decoder_ops.build(self.spec, layers, head=head, store=store)
         return runtime.core().compile_model(model, self.ov_name, self.config)
+
+    def _packed(self, batch: StepBatch) -> None:
+        """After the first step of one row and the first of several: OpenVINO has packed every weight for
+        its kernels, so the mapped pages it packed from leave memory (read back from disk if ever needed)."""
+        several = len(batch.input_ids if batch.input_ids is not None else batch.hidden) > 1
+        if several in self._unpacked:
+            self._unpacked.discard(several)
+            if self.weights_file is not None:
+                self.weights_file.release()
 
     def allocate(self, num_blocks: int) -> list[tuple[Any, Any]]:
         import openvino as ov
@@ -143,6 +167,8 @@ class OpenVINODecoder:
             for name, value in feed.items():
                 self._feed(req, name, value)
             self._infer(req)
+            if self._unpacked and req is self.request:
+                self._packed(batch)
             return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
 
     def _feed(self, req: Any, name: str, value: np.ndarray) -> None:
@@ -198,6 +224,8 @@ class OpenVINODecoder:
         for name, value in feed.items():
             req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
         self._infer(req)
+        if self._unpacked and req is self.request:
+            self._packed(batch)
         for i in layers:
             for j, kind in enumerate(("key", "value")):
                 new = req.get_tensor(f"{kind}_new.{a + i}").data

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
     import openvino as ov
 
     from dspark.sdk.decoder import DecoderSpec
+    from dspark.sdk import MappedWeights
     from dspark.types import QuantSpec
 
 _HALF = {"bfloat16": "bf16", "float16": "f16"}  # numpy dtype name of a stored weight -> OpenVINO type
+_TYPES = {**_HALF, "float32": "f32"}
+LAYOUT = 1  # the weights' layout in the graph (a store's cache key): bump when it changes
 _DECOMPRESSION = "decompression_0"  # rt_info key OpenVINO's Decompression attribute is stored under
 PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
 I64 = np.int64
@@ -41,11 +44,12 @@ class OpenVINOOps:
     variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "attention.softcap",
                           "rope.partial", "softcap", "linear.int8", "linear.int4", "embed.int8"})
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, store: MappedWeights | None = None) -> None:
         import openvino as ov
         import openvino.opset13 as ops
 
         self.ov, self.o, self.spec = ov, ops, spec
+        self.store = store  # the weights' constants read from its mapped file (held once: dspark.sdk.mapped)
         self.params: list[Any] = []
         self._inputs: dict[str, Any] = {}
         self._tables: dict[int, tuple[Any, Any]] = {}
@@ -66,16 +70,16 @@ class OpenVINOOps:
     def const(self, a: Any, dtype: Any = np.float32) -> Any:
         return self.o.constant(np.asarray(a, dtype=dtype))
 
-    def _stored(self, a: np.ndarray) -> Any | None:
-        """A half-precision weight (``spec.weights(stored=True)``) as a constant of its own type; None for
-        float32. OpenVINO owns the copy, so the engine may drop its tensors once compiled."""
-        kind = _HALF.get(a.dtype.name)
+    def _stored(self, a: np.ndarray) -> Any:
+        """A weight as a constant of its own precision (``spec.weights(stored=True)``): with a store, over the
+        store's mapping of it; else OpenVINO's own copy, so that the engine may drop its tensors."""
+        kind = _TYPES.get(a.dtype.name)
         if kind is None:
-            return None
-        a = np.ascontiguousarray(a)
+            return self.const(a)
+        a = np.ascontiguousarray(a) if self.store is None else self.store.add(a)
         bits = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
         return self.ov.op.Constant(self.ov.Tensor(bits, list(a.shape), getattr(self.ov.Type, kind)),
-                                   shared_memory=False)
+                                   shared_memory=self.store is not None)
 
     def weight(self, a: np.ndarray) -> Any:
         """A projection's weight as the MatMul takes it (float32): a half-precision one is kept so and
@@ -83,8 +87,8 @@ class OpenVINOOps:
         IR, which its CPU plugin packs for its kernels as they are; unmarked, the compile folds the
         Convert and keeps a float32 copy beside the packed one (3x the weights' bytes held in all)."""
         c = self._stored(a)
-        if c is None:
-            return self.const(a)
+        if a.dtype.name not in _HALF:
+            return c
         widened = self.o.convert(c, "f32")
         widened.get_rt_info()[_DECOMPRESSION] = ""  # the key of ov::mark_as_decompression; its value is unused
         return widened
@@ -103,10 +107,8 @@ class OpenVINOOps:
         ids = self.param("input_ids", [-1], self.ov.Type.i64)
         self._positions()  # every range takes positions, in the same order as before
         if quant is None:
-            stored = self._stored(table)
-            if stored is None:
-                return self.o.gather(self.const(table), ids, self.const(0, I64))
-            return self.o.convert(self.o.gather(stored, ids, self.const(0, I64)), "f32")  # the rows widened
+            rows = self.o.gather(self._stored(table), ids, self.const(0, I64))
+            return rows if table.dtype.name not in _HALF else self.o.convert(rows, "f32")  # the rows widened
         from dspark.sdk import quantize_weight
 
         qe = quantize_weight(np.asarray(table.T, dtype=np.float32), quant)  # [hidden, vocab], scales [1, vocab]
@@ -268,10 +270,12 @@ class OpenVINOOps:
         return self.o.multiply(self.o.tanh(self.o.divide(x, self.const(cap))), self.const(cap))
 
 
-def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVINOOps | None = None) -> ov.Model:
+def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVINOOps | None = None,
+          store: MappedWeights | None = None) -> ov.Model:
     """Layers ``[a, b)`` of the model as an OpenVINO model; ``head``: end in the final norm and head over
-    ``logit_rows`` (the last layer of the model, or an early exit), else return the hidden state."""
-    ops = ops or OpenVINOOps(spec)
+    ``logit_rows`` (the last layer of the model, or an early exit), else return the hidden state.
+    ``store``: the float weights' constants over its mapped file instead of copies of their own."""
+    ops = ops or OpenVINOOps(spec, store)
     out = forward(spec, ops, layers, head=head, weights=spec.weights(stored=True))
     res = ops.o.result(out)
     res.output(0).get_tensor().set_names({"logits" if head else "hidden"})

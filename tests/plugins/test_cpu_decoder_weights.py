@@ -1,5 +1,6 @@
-"""The `cpu` plugin's decoder holds a half-precision model's weights in that precision: no float32 copy
-kept beside the packed one (OpenVINO folds an unmarked widening into one)."""
+"""The `cpu` plugin's decoder holds a model's weights once: in their precision (no float32 copy of a
+half-precision model, which OpenVINO folds an unmarked widening into), and mapped from the disk cache,
+whose pages leave memory once OpenVINO has packed them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dspark.llm.decoding.runner import DecoderRunner, Target
 from dspark.llm.decoding.spec import make_spec
 from dspark.llm.runner.model import ModelRunner
 from dspark.llm.runner.types import SeqChunk
+from dspark.sdk import mapped
 from dspark.types import Device
 from dspark_plugins_cpu.decoder import OpenVINODecoder
 
@@ -70,3 +72,32 @@ def test_a_bfloat16_model_is_held_as_bfloat16_and_runs_as_from_float32_weights()
     for g, w in zip(got, want, strict=True):  # the same bfloat16 values, so the same logits up to summation order
         assert int(g.argmax()) == int(w.argmax())
         assert float((g - w).abs().max()) <= 0.05 * float(w.abs().max()), (g - w).abs().max()
+
+
+def test_the_weights_are_mapped_from_the_cache_and_leave_memory_once_packed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    if not mapped.usable():
+        pytest.skip(f"mapped weights save nothing here (not Linux, or {tmp_path} is in memory)")
+    device = _device()
+    dtype = torch.bfloat16 if "bfloat16" in device.dtypes else torch.float32
+    runner = ModelRunner.from_pretrained(str(MODEL), dtype)
+    spec = make_spec(runner, MODEL, max_num_tokens=64, max_num_seqs=1)
+    dec = OpenVINODecoder(spec, device)
+    wf = dec.weights_file
+    assert wf is not None and wf.written == wf.nbytes > 0 and wf.path.is_relative_to(tmp_path)
+    got = _greedy_logits(dec, runner, steps=8)  # a prefill, then decode steps: every weight packed
+    # What stays of the file in memory is what OpenVINO reads per step, the embedding rows of the tokens (the
+    # kernel maps 64 KiB around each), not the projections it packed from (the rest of the file).
+    table = runner.embed.numel() * runner.embed.element_size()
+    assert wf.nbytes > 3 * table and wf.resident() <= table, (wf.resident(), table, wf.nbytes)
+    with monkeypatch.context() as m:
+        m.setattr(mapped, "usable", lambda: False)  # as on a machine whose cache is in memory: OpenVINO's copies
+        owned = OpenVINODecoder(spec, device)
+    assert owned.weights_file is None
+    want = _greedy_logits(owned, runner, steps=8)
+    assert all(np.array_equal(g.numpy(), w.numpy()) for g, w in zip(got, want, strict=True))
+    again = OpenVINODecoder(spec, device)  # a later start maps the cached file, writing nothing
+    assert again.weights_file is not None and again.weights_file.written == 0
+    assert all(np.array_equal(g.numpy(), w.numpy()) for g, w in zip(_greedy_logits(again, runner, steps=8), want,
+                                                                     strict=True))

@@ -27,6 +27,12 @@ def _path(namespace: str, key: Any) -> Path:
     return cache_dir() / namespace / f"{digest}.json"
 
 
+def blob_path(namespace: str, key: Any) -> Path:
+    """A binary file kept beside an entry (its name, ``.bin``), e.g. weights a runtime maps; removed with
+    the entry by :func:`delete` and :func:`clear`. Write it before storing the entry."""
+    return _path(namespace, key).with_suffix(".bin")
+
+
 def load(namespace: str, key: Any) -> Any | None:
     path = _path(namespace, key)
     try:
@@ -48,6 +54,7 @@ def store(namespace: str, key: Any, value: Any) -> None:
 def delete(namespace: str, key: Any) -> bool:
     """Remove one entry; whether there was one."""
     path = _path(namespace, key)
+    path.with_suffix(".bin").unlink(missing_ok=True)
     try:
         path.unlink()
     except FileNotFoundError:
@@ -61,8 +68,11 @@ def clear(namespace: str) -> int:
     removed = 0
     if d.is_dir():
         for p in d.glob("*.json"):
+            p.with_suffix(".bin").unlink(missing_ok=True)
             p.unlink(missing_ok=True)
             removed += 1
+        for p in d.glob(".tmp-*"):  # left by a writer that stopped before renaming its file
+            p.unlink(missing_ok=True)
     return removed
 
 
@@ -99,5 +109,10 @@ def entries(namespace: str) -> list[Entry]:
             key, value = (data.get("key"), data.get("value")) if isinstance(data, dict) else (None, None)
         except (OSError, ValueError):
             key = value = None
-        found.append(Entry(namespace, p, stat.st_size, stat.st_mtime, key, value))
+        size = stat.st_size
+        try:
+            size += p.with_suffix(".bin").stat().st_size  # the entry's binary file, if it has one
+        except OSError:
+            pass
+        found.append(Entry(namespace, p, size, stat.st_mtime, key, value))
     return sorted(found, key=lambda e: e.mtime)

@@ -11,6 +11,7 @@ versioned with the plugin API (:data:`dspark.API_VERSION`): a minor version only
   ``calibration_enabled``, ``make_inputs``, ``streams_weights``); ``DSPARK_CALIBRATE=0`` turns them off
 - timing and roofline: :mod:`cost` (``time_call``, ``roofline``, ``DEFAULT_OP_OVERHEAD_S``)
 - the disk cache: :mod:`cache`; host facts: :mod:`hostinfo` (``cpu_benchmark_lock``)
+- weights a runtime maps from a file and holds once (API 1.12): :mod:`mapped` (``MappedWeights``)
 - quantization layouts: :mod:`quant` (``QuantizedWeight``, ``quantize_weight``, ...)
 - logging: ``get_logger``
 - the torch reference executor: ``ReferenceExecutable``, ``REFERENCE_OPS``,
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from dspark.host import cache, hostinfo
     from dspark.host.hostinfo import cpu_benchmark_lock
     from dspark.host.log import get_logger
-    from dspark.sdk import calibration, cost, decoder, family, quant, reference
+    from dspark.sdk import calibration, cost, decoder, family, mapped, quant, reference
+    from dspark.sdk.mapped import MappedWeights
     from dspark.sdk.calibration import (
         CannotCalibrate,
         Estimate,
@@ -65,6 +67,7 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "decoder": ("dspark.sdk.decoder", None),
     "family": ("dspark.sdk.family", None),
     "hostinfo": ("dspark.host.hostinfo", None),
+    "mapped": ("dspark.sdk.mapped", None),
     "quant": ("dspark.sdk.quant", None),
     "reference": ("dspark.sdk.reference", None),
     # calibrated estimates
@@ -78,6 +81,8 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "DEFAULT_OP_OVERHEAD_S": ("dspark.sdk.cost", "DEFAULT_OP_OVERHEAD_S"),
     "roofline": ("dspark.sdk.cost", "roofline"),
     "time_call": ("dspark.sdk.cost", "time_call"),
+    # weights mapped from a file, held once
+    "MappedWeights": ("dspark.sdk.mapped", "MappedWeights"),
     # host facts
     "cpu_benchmark_lock": ("dspark.host.hostinfo", "cpu_benchmark_lock"),
     # quantization
@@ -103,6 +108,7 @@ __all__ = [
     "REFERENCE_OPS",
     "CannotCalibrate",
     "Estimate",
+    "MappedWeights",
     "QuantizedWeight",
     "ReferenceExecutable",
     "cache",
@@ -116,6 +122,7 @@ __all__ = [
     "estimate",
     "get_logger",
     "hostinfo",
+    "mapped",
     "linear_subgraph",
     "make_inputs",
     "quant",
