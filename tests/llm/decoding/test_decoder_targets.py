@@ -145,6 +145,68 @@ class _Counted(Renamed):
         return inner.step(kv, batch)
 
 
+def _watch_loads(monkeypatch: pytest.MonkeyPatch) -> tuple[weakref.WeakSet[Any], list[bool]]:
+    """Every torch runner the engine's build loads (while alive), and whether each came weightless."""
+    loaded: weakref.WeakSet[Any] = weakref.WeakSet()
+    loads: list[bool] = []
+    real_load = parts.load_runner
+
+    def load(*a: Any, **kw: Any) -> Any:
+        runner, gguf = real_load(*a, **kw)
+        loaded.add(runner)
+        loads.append(runner.is_weightless)
+        return runner, gguf
+
+    monkeypatch.setattr(parts, "load_runner", load)
+    return loaded, loads
+
+
+class _Watched(Renamed):
+    """OpenVINO's decoder, noting at its first step whether a torch runner still holds weights."""
+
+    RUNTIME = "watched/CPU"
+
+    def __init__(self, loaded: weakref.WeakSet[Any]) -> None:
+        self.loaded, self.steps, self.weighted_at_first = loaded, 0, None
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.steps += 1
+        if self.steps == 1:
+            gc.collect()
+            self.weighted_at_first = [r for r in self.loaded if not r.is_weightless]
+        return inner.step(kv, batch)
+
+
+def test_the_torch_runner_lets_go_before_the_winners_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe records the torch runner's logits first, so its weights are gone before the decoder's first
+    # step (where OpenVINO packs its own copy): both are never held at once.
+    loaded, loads = _watch_loads(monkeypatch)
+    watched = _Watched(loaded)
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(watched, "watched")
+    host.load()
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="watched", plugin_host=host, max_batch_size=4)
+    assert e.stats().decoder == "watched@cpu" and loads == [False]
+    assert watched.weighted_at_first == []
+    got = _run(e, _greedy(16))
+    ref = _run(_engine("torch", max_batch_size=4), _greedy(16))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+
+
+def test_a_target_failing_its_probe_after_the_torch_runner_let_go_reads_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded, loads = _watch_loads(monkeypatch)
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    host.register(Faulty(fail_at=1), "faulty")  # its first step, the probe's, fails: after the let-go
+    host.load()
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty", plugin_host=host, max_batch_size=4)
+    assert e.stats().decoder == "torch" and not e.runner.is_weightless
+    assert e.decoder_choice is not None and [d["label"] for d in e.decoder_choice.declined] == ["faulty@cpu"]
+    ref = _run(_engine("torch", max_batch_size=4), _greedy(16))
+    got = _run(e, _greedy(16))
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
+
+
 def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_when_reached(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))  # a cold start: every target is timed
@@ -160,17 +222,7 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
                 for k in out}
 
     monkeypatch.setattr(choose, "time_targets", recorded)
-    loaded: weakref.WeakSet[Any] = weakref.WeakSet()  # every torch runner the build loads
-    loads: list[bool] = []
-    real_load = parts.load_runner
-
-    def load(*a: Any, **kw: Any) -> Any:
-        runner, gguf = real_load(*a, **kw)
-        loaded.add(runner)
-        loads.append(runner.is_weightless)
-        return runner, gguf
-
-    monkeypatch.setattr(parts, "load_runner", load)
+    loaded, loads = _watch_loads(monkeypatch)
     alive: weakref.WeakSet[Any] = weakref.WeakSet()
     seen: list[int] = []
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))

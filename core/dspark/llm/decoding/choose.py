@@ -16,6 +16,7 @@ are held once, in the form that runs.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -31,7 +32,7 @@ import torch
 from dspark.host import cache as disk
 from dspark.host import hook_threads, hostinfo
 from dspark.host.log import get_logger
-from dspark.llm.decoding.conformance import compare
+from dspark.llm.decoding.conformance import record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
@@ -112,13 +113,18 @@ def _fake_quant_reference(path: Path, dtype: torch.dtype, quant: dict[str, Quant
 
 
 def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, spec: DecoderSpec,
-           precision: str | None = None) -> str | None:
+           precision: str | None = None, recorded: Callable[[], None] | None = None) -> str | None:
     """Why the decoder's logits cannot be trusted, or None (float32: rounding only; half precision or
     quantized: a few flips; a broken decoder is far off both). ``precision``: what the bid said it computes
-    in (a BF16 GGUF file run as stored computes in bfloat16 whatever dtype the engine chose)."""
+    in (a BF16 GGUF file run as stored computes in bfloat16 whatever dtype the engine chose).
+    ``recorded``: called once the reference's part is done, before the decoder's first step."""
     bs = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
-    r = compare(decoder, reference, prompt_lens=(5, 19), decode_steps=2, draft=3,
-                num_blocks=max(8, -(-64 // bs) * 3 + 4))
+    blocks = max(8, -(-64 // bs) * 3 + 4)
+    cfg, dtype = reference.cfg, reference.dtype
+    transcript = record(reference, bs, prompt_lens=(5, 19), decode_steps=2, draft=3, num_blocks=blocks)
+    if recorded is not None:
+        recorded()
+    r = replay(decoder, transcript, cfg, dtype, num_blocks=blocks)
     exact = (spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
              and precision in (None, "float32"))
     tol, flips = (1e-2, 0.1) if exact else (1.0, 0.25)
@@ -159,14 +165,15 @@ def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], M
 
 
 def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost,
-           declined: list[dict[str, str]], load_reference: Callable[[], ModelRunner] | None = None) -> bool:
+           declined: list[dict[str, str]], load_reference: Callable[[], ModelRunner] | None = None,
+           recorded: Callable[[], None] | None = None) -> bool:
     """Run the probe scenario on ``t``; a wrong or failing decoder is charged to its plugin and left out."""
     assert t.compiled is not None
     try:
         if getattr(reference, "is_weightless", False):
             bad = _probe_isolated(t, spec, load_reference)
         else:
-            bad = _probe(t.compiled, reference, spec, t.precision)
+            bad = _probe(t.compiled, reference, spec, t.precision, recorded)
     except Exception as exc:
         bad = f"the probe step raised {type(exc).__name__}: {exc}"
     if bad:
@@ -249,13 +256,20 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         why = "measured fastest ({})"
     else:  # asked for by name: no race, the torch runner only as the fallback
         why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
+    from dspark.llm.runner.model import ModelRunner
+
+    load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), runner.dtype))
+    early = None if weightless or quantization or reference is not runner else functools.partial(
+        _let_go, runner, spec, load_reference)
     first = None
     while targets:  # the best that compiles and keeps its promise runs
         t = targets[0]
-        if _ready(t, reference, spec, host, declined, load_reference):
+        if _ready(t, reference, spec, host, declined, load_reference, early):
             first = t
             break
         targets.pop(0)
+    if first is None and early is not None and runner.is_weightless:  # let go for a target that then failed
+        runner = reference = load_reference()
     if first is None and not slower and len(short) > 1:  # no device holds it: layer ranges over several
         chain = _split(host, inv, runner, spec, short, max_tokens, declined)
         if chain is not None and _admit(chain, reference, spec, host, declined):
@@ -298,17 +312,24 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                            time.perf_counter() - t0)
     _log(choice)
     if not weightless and not quantization:
-        # The winner holds the weights in the form it runs: the torch runner's copy goes, and so does the
-        # spec's hold on it; a failover target compiles from the file, and the torch runner is read from disk
-        # again only if a failover must run it.
-        from dspark.llm.runner.model import ModelRunner
-
-        dtype = runner.dtype
-        load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), dtype))
+        # The winner holds the weights in the form it runs: the torch runner's copy goes (when the probe has
+        # not let it go already), and so does the spec's hold on it; a failover target compiles from the
+        # file, and the torch runner is read from disk again only if a failover must run it.
         if isinstance(spec.weights_fn, SpecWeights):  # what the winner was compiled from lets go too
             spec.weights_fn.from_disk(load_reference)
-        runner = ModelRunner.weightless(runner.cfg, dtype)
+        runner = ModelRunner.weightless(runner.cfg, runner.dtype)
     return DecoderRunner(runner, chain, host=host, max_seqs=cfg.max_batch_size, reference_loader=load_reference), choice
+
+
+def _let_go(runner: ModelRunner, spec: DecoderSpec, load: Callable[[], ModelRunner]) -> None:
+    """The torch runner's weights go before a would-be winner's first step (where a runtime packs its own
+    copy, so both would be held at the peak), once the probe has recorded what the runner computes; read
+    from disk again if that target fails its probe after all."""
+    if isinstance(spec.weights_fn, SpecWeights):
+        spec.weights_fn.from_disk(load)
+    runner.drop_weights()
+    gc.collect()  # the runner's ops refer to it: a cycle
+    hostinfo.return_freed_memory()
 
 
 def _pending(bid: DecoderBid, dev: Device, host: PluginHost, spec: DecoderSpec) -> Target:
@@ -322,9 +343,10 @@ def _pending(bid: DecoderBid, dev: Device, host: PluginHost, spec: DecoderSpec) 
 
 
 def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost, declined: list[dict[str, str]],
-           load_reference: Callable[[], ModelRunner] | None = None) -> bool:
+           load_reference: Callable[[], ModelRunner] | None = None,
+           recorded: Callable[[], None] | None = None) -> bool:
     """Compile ``t`` (when it is not) and probe it (when not done in this process); a failure is declined
-    and charged to its plugin."""
+    and charged to its plugin. ``recorded``: as :func:`_probe`'s."""
     try:
         t.ensure()
     except Exception as exc:
@@ -335,7 +357,7 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
         return False
     if t.admitted:
         return True
-    t.admitted = _admit(t, reference, spec, host, declined, load_reference)
+    t.admitted = _admit(t, reference, spec, host, declined, load_reference, recorded)
     if not t.admitted:
         t.release()
     return t.admitted

@@ -5,7 +5,9 @@ The scenario mixes what the engine sends: two prompts prefilled in one step (one
 chunks), batched decode steps, and a verified draft (every row's logits) with a rollback after it,
 then one sequence freed and a new one started beside the other. The decoder is driven through the
 engine's own :class:`~dspark.llm.decoding.runner.DecoderRunner` (failover off), so a per-sequence
-decoder (API 1.8) sees the drops and ids the engine sends.
+decoder (API 1.8) sees the drops and ids the engine sends. The reference runs first and its logits
+are recorded (:func:`record`), so the engine can let go of the reference's weights before the
+decoder's first step (:func:`replay`), where a runtime packs its own copy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from dspark.llm.decoding.runner import DecoderRunner, Target
 from dspark.llm.runner.model import ModelRunner, SeqChunk
+from dspark.llm.runner.types import ModelConfig
 from dspark.sdk.decoder import CompiledDecoder, SequenceDecoder, is_sequence
 
 
@@ -36,29 +39,31 @@ def _as_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
 
 
-def compare(decoder: CompiledDecoder | SequenceDecoder, runner: ModelRunner, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),
-            decode_steps: int = 6, draft: int = 8, num_blocks: int = 64) -> Conformance:
-    """Run the scenario on ``decoder`` and on ``runner`` (the torch reference), greedy tokens fed to
-    both from the reference; returns how far the logits are apart."""
+@dataclass
+class Transcript:
+    """The scenario as the torch reference ran it: each event is ("step", chunks, its logits),
+    ("truncate", seq, n) or ("free", seq), in order; replayed on a decoder without the reference."""
+
+    block_size: int
+    events: list[tuple[Any, ...]]
+
+
+def record(runner: ModelRunner, block_size: int, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),
+           decode_steps: int = 6, draft: int = 8, num_blocks: int = 64) -> Transcript:
+    """Run the scenario on ``runner`` (the torch reference) alone, greedy tokens from its own logits."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.cfg.vocab_size
-    ps = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
-    ref = runner.make_cache(num_blocks, ps)
-    driver = DecoderRunner(runner, [Target("checked", "checked", decoder)], step_timeout_s=None, max_seqs=4,
-                           failover=False)
-    mine = driver.make_cache(num_blocks, ps)
-    worst, rows, flips = 0.0, 0, 0
+    ref = runner.make_cache(num_blocks, block_size)
+    events: list[tuple[Any, ...]] = []
 
     def step(chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        nonlocal worst, rows, flips
-        want = runner.step(ref, chunks)
-        got = [_as_tensor(o).float() for o in driver.step(mine, chunks)]
-        for w, o in zip(want, got, strict=True):
-            w2, o2 = w.reshape(-1, vocab).float(), o.reshape(-1, vocab)
-            worst = max(worst, float((w2 - o2).abs().max()))
-            rows += w2.shape[0]
-            flips += int((w2.argmax(-1) != o2.argmax(-1)).sum())
+        want = [w.float().clone() for w in runner.step(ref, chunks)]
+        events.append(("step", chunks, want))
         return want
+
+    def edit(kind: str, *args: Any) -> None:
+        getattr(ref, kind)(*args)
+        events.append((kind, *args))
 
     a, b = (torch.randint(4, vocab, (n,), generator=g).tolist() for n in prompt_lens)
     half = len(b) // 2
@@ -70,11 +75,42 @@ def compare(decoder: CompiledDecoder | SequenceDecoder, runner: ModelRunner, *, 
         last = [int(o.argmax()) for o in out]
     drafted = [last[0], *torch.randint(4, vocab, (draft,), generator=g).tolist()]
     out = step([SeqChunk("a", drafted, all_logits=True), SeqChunk("b", [last[1]])])
-    for cache in (ref, mine):  # the draft is rejected after its first token: roll back
-        cache.truncate("a", draft)
+    edit("truncate", "a", draft)  # the draft is rejected after its first token: roll back
     out = step([SeqChunk("a", [int(out[0][0].argmax())])])
-    for cache in (ref, mine):  # "b" finishes; "c" starts beside "a" (a per-sequence decoder is told to drop "b")
-        cache.free("b")
+    edit("free", "b")  # "b" finishes; "c" starts beside "a" (a per-sequence decoder is told to drop "b")
     c = torch.randint(4, vocab, (prompt_lens[0],), generator=g).tolist()
     step([SeqChunk("a", [int(out[0].argmax())]), SeqChunk("c", c)])
+    return Transcript(block_size, events)
+
+
+def replay(decoder: CompiledDecoder | SequenceDecoder, transcript: Transcript, cfg: ModelConfig,
+           dtype: torch.dtype, *, num_blocks: int = 64) -> Conformance:
+    """Run a recorded scenario on ``decoder``; how far its logits are from the reference's. Needs no
+    weights of the reference: the recording holds its logits."""
+    driver = DecoderRunner(ModelRunner.weightless(cfg, dtype), [Target("checked", "checked", decoder)],
+                           step_timeout_s=None, max_seqs=4, failover=False)
+    mine = driver.make_cache(num_blocks, transcript.block_size)
+    worst, rows, flips = 0.0, 0, 0
+    for kind, *args in transcript.events:
+        if kind != "step":
+            getattr(mine, kind)(*args)
+            continue
+        chunks, want = args
+        got = [_as_tensor(o).float() for o in driver.step(mine, chunks)]
+        for w, o in zip(want, got, strict=True):
+            w2, o2 = w.reshape(-1, cfg.vocab_size), o.reshape(-1, cfg.vocab_size)
+            worst = max(worst, float((w2 - o2).abs().max()))
+            rows += w2.shape[0]
+            flips += int((w2.argmax(-1) != o2.argmax(-1)).sum())
     return Conformance(max_abs_diff=worst, rows=rows, argmax_flips=flips)
+
+
+def compare(decoder: CompiledDecoder | SequenceDecoder, runner: ModelRunner, *, seed: int = 0,
+            prompt_lens: tuple[int, int] = (11, 37), decode_steps: int = 6, draft: int = 8,
+            num_blocks: int = 64) -> Conformance:
+    """Run the scenario on ``decoder`` and on ``runner`` (the torch reference), greedy tokens fed to
+    both from the reference; returns how far the logits are apart."""
+    ps = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
+    t = record(runner, ps, seed=seed, prompt_lens=prompt_lens, decode_steps=decode_steps, draft=draft,
+               num_blocks=num_blocks)
+    return replay(decoder, t, runner.cfg, runner.dtype, num_blocks=num_blocks)

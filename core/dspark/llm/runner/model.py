@@ -240,6 +240,13 @@ class ModelRunner:
 
     is_weightless = False
 
+    def drop_weights(self) -> None:
+        """Let go of every weight in place: this runner becomes what :meth:`weightless` makes (config,
+        dtype, RoPE, windows), for every holder of it at once (a compiled decoder now holds the model)."""
+        bare = ModelRunner.weightless(self.cfg, self.dtype)
+        self.__dict__.clear()
+        self.__dict__.update(bare.__dict__)
+
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
         cfg, weights = load_checkpoint(path, dtype)
