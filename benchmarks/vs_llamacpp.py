@@ -32,7 +32,8 @@ Workloads (``--only``):
 Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_batch``, dspark's torch
 threads, which the llamacpp plugin's contexts take), f32 KV cache and flash attention off (the plugin's
 settings, needed for its greedy parity with the torch runner; llama-server ``-ctk f32 -ctv f32 -fa off``),
-greedy, EOS ignored. Every contender runs in a process of its own (OpenMP workers spin between calls);
+greedy, EOS ignored, llama.cpp's extra CPU buffer types (repacked weights) as the plugin loads them (on
+unless the CPU has AMX; llama-server ``--no-repack`` when off). Every contender runs in a process of its own (OpenMP workers spin between calls);
 processes alternate, ``--rounds`` rounds, who goes first rotating. Peak RSS is the process's VmHWM
 (servers: read before they are stopped); load time is the process start to the first token it can serve
 (a dspark start measures the decoder targets once per model and caches the timings, as a user's warm
@@ -66,6 +67,7 @@ ROWS = {"embedded-bf16": "stdlib-llama-bf16.gguf", "embedded-q8_0": "stdlib-llam
         "embedded-q4_k_m": "stdlib-llama-q4_k_m.gguf", "random-0.5b-q4_k_m": "random-0.5b-q4_k_m.gguf",
         "random-0.5b-q8_0": "random-0.5b-q8_0.gguf"}
 DRAFT = "stdlib-llama-draft-bf16.gguf"
+REPACK = True  # llama.cpp's extra CPU buffer types on every side: the plugin's choice (main() reads it)
 
 
 # -- files ---------------------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ def child_llamacpp_single(spec: dict[str, Any]) -> dict[str, Any]:
     C.llama_backend_init()
     mp = C.llama_model_default_params()
     mp.n_gpu_layers = 0
-    mp.use_extra_bufts = False  # as the plugin loads it: the weights as stored
+    mp.use_extra_bufts = spec["extra_bufts"]  # as the plugin loads it (decided in the parent: no dspark import here)
     model = C.llama_model_load_from_file(spec["file"].encode(), mp)
     cp = C.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 1024, 512, 512, 1
@@ -272,7 +274,7 @@ def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) ->
         binary = OUT / "server-build" / "bin" / "llama-server"
         cmd = [str(binary), "-m", file, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
                str(threads), "-c", str(1024 * batch), "-np", str(batch), "-ctk", "f32", "-ctv", "f32", "-fa", "off",
-               "-b", "512", "-ub", "512", "--no-webui"]
+               "-b", "512", "-ub", "512", "--no-webui"] + ([] if REPACK else ["--no-repack"])
         if spec:
             cmd += ["-md", str(FILES / DRAFT), "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
                     "--spec-draft-n-min", "0", "-ctkd", "f32", "-ctvd", "f32"]
@@ -384,6 +386,11 @@ def main() -> None:
     prepare()
     have_server = (OUT / "server-build" / "bin" / "llama-server").exists()
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    from dspark_llamacpp.runtime import extra_bufts
+
+    global REPACK
+    extra = REPACK = extra_bufts()  # repacked weights on every side or none (llama-server: --no-repack)
+    print(f"llama.cpp's extra CPU buffer types (repacked weights): {'on' if extra else 'off'}", flush=True)
     work = [w for w in args.only.split(",") if w]
     models = [m for m in args.models.split(",") if m]
     for r in range(1 if args.quick else args.rounds):
@@ -406,7 +413,7 @@ def main() -> None:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     if w == "single":
                         res = run_child(side, {"file": file, "prompts": ps, "warm": warm[0], "new": new,
-                                               "threads": args.threads})
+                                               "threads": args.threads, "extra_bufts": extra})
                     else:
                         batch = 1 if w == "spec" else int(w.removeprefix("serve"))
                         res = run_server_contender("dspark" if side == "dspark" else "llama", file, ps, new, batch,

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dspark.host.hostinfo import cpu_benchmark_lock
     from dspark.host.log import get_logger
     from dspark.sdk import calibration, cost, decoder, family, mapped, quant, reference
-    from dspark.sdk.mapped import MappedWeights
+    from dspark.sdk.mapped import MappedWeights, release_file, resident_file
     from dspark.sdk.calibration import (
         CannotCalibrate,
         Estimate,
@@ -83,6 +83,8 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "time_call": ("dspark.sdk.cost", "time_call"),
     # weights mapped from a file, held once
     "MappedWeights": ("dspark.sdk.mapped", "MappedWeights"),
+    "release_file": ("dspark.sdk.mapped", "release_file"),
+    "resident_file": ("dspark.sdk.mapped", "resident_file"),
     # host facts
     "cpu_benchmark_lock": ("dspark.host.hostinfo", "cpu_benchmark_lock"),
     # quantization
@@ -131,6 +133,8 @@ __all__ = [
     "quantize_weight",
     "reference",
     "reference_linear",
+    "release_file",
+    "resident_file",
     "reference_problem",
     "roofline",
     "streams_weights",

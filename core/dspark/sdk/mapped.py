@@ -54,6 +54,51 @@ def usable() -> bool:
     return platform.system() == "Linux" and not _memory_fs(cache.cache_dir().resolve())
 
 
+def release_file(path: str | Path) -> int:
+    """Drop from memory the pages of ``path`` this process maps read-only (a runtime's own mapping of a
+    model file, e.g. llama.cpp's of a GGUF once it has repacked the tensors it runs repacked): a page
+    read again comes back from the file. Mappings that may be written are left alone (dropping their
+    pages would drop the writes). Returns the bytes advised; 0 where this is not Linux."""
+    if platform.system() != "Linux":
+        return 0
+    try:
+        ino = str(os.stat(path).st_ino)
+        with open("/proc/self/maps") as f:
+            spans = [line.split() for line in f]
+    except OSError:
+        return 0
+    done = 0
+    for head in spans:
+        if len(head) >= 6 and head[4] == ino and "w" not in head[1]:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            done += _advise(start, end - start)
+    return done
+
+
+def resident_file(path: str | Path) -> int:
+    """Bytes of ``path``'s pages this process holds in memory, over all its mappings of the file (0 where
+    there is no /proc, or no such file)."""
+    try:
+        ino = str(os.stat(path).st_ino)
+        total, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+                    inside = head[4] == ino
+                elif inside and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+        return total
+    except OSError:
+        return 0
+
+
+def _advise(start: int, length: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return length if length > 0 and libc.madvise(start, length, _MADV_DONTNEED) == 0 else 0
+
+
 class MappedWeights:
     """Arrays copied once into a cache file and handed back as read-only views of its mapping.
 
@@ -125,32 +170,16 @@ class MappedWeights:
 
     def resident(self) -> int:
         """Bytes of the file's pages this process holds in memory (over all its mappings of the file)."""
-        try:
-            ino = str(os.stat(self.path).st_ino)
-            total, inside = 0, False
-            with open("/proc/self/smaps") as f:
-                for line in f:
-                    head = line.split()
-                    if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
-                        inside = head[4] == ino
-                    elif inside and head[0] == "Rss:":
-                        total += int(head[1]) * 1024
-            return total
-        except OSError:  # no /proc (not Linux) or the file is gone
-            return 0
+        return resident_file(self.path)
 
     def release(self) -> int:
         """Drop the mapped pages from memory (read back from the file if touched again); the bytes advised."""
         if platform.system() != "Linux":
             return 0
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         done = 0
         for m in self._maps:
             start = m.ctypes.data - m.ctypes.data % mmap.PAGESIZE
-            length = m.ctypes.data + m.nbytes - start
-            if length > 0 and libc.madvise(start, length, _MADV_DONTNEED) == 0:
-                done += length
+            done += _advise(start, m.ctypes.data + m.nbytes - start)
         return done
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dspark_llamacpp as plugin
+from dspark.sdk import resident_file
 from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import Device
 from dspark_llamacpp import runtime
@@ -20,42 +21,42 @@ from dspark_llamacpp import runtime
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF = 96, 64, 2, 4, 2, 128
 
 
-def _tiny_gguf(path: Path) -> Path:
+def _tiny_gguf(path: Path, hidden: int = HIDDEN, ff: int = FF, vocab: int = VOCAB) -> Path:
     import gguf
 
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
+    w.add_embedding_length(hidden)
     w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FF)
+    w.add_feed_forward_length(ff)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_dimension_count(hidden // HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
     w.add_token_merges(["t 1"])  # llama.cpp requires merges for a gpt2 vocabulary
-    hd = HIDDEN // HEADS
+    hd = hidden // HEADS
 
     def t(name: str, *shape: int) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
 
-    t("token_embd.weight", VOCAB, HIDDEN)
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    t("token_embd.weight", vocab, hidden)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(LAYERS):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        t(f"blk.{i}.attn_q.weight", HEADS * hd, HIDDEN)
-        t(f"blk.{i}.attn_k.weight", KV_HEADS * hd, HIDDEN)
-        t(f"blk.{i}.attn_v.weight", KV_HEADS * hd, HIDDEN)
-        t(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * hd)
-        t(f"blk.{i}.ffn_gate.weight", FF, HIDDEN)
-        t(f"blk.{i}.ffn_up.weight", FF, HIDDEN)
-        t(f"blk.{i}.ffn_down.weight", HIDDEN, FF)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        t(f"blk.{i}.attn_q.weight", HEADS * hd, hidden)
+        t(f"blk.{i}.attn_k.weight", KV_HEADS * hd, hidden)
+        t(f"blk.{i}.attn_v.weight", KV_HEADS * hd, hidden)
+        t(f"blk.{i}.attn_output.weight", hidden, HEADS * hd)
+        t(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        t(f"blk.{i}.ffn_up.weight", ff, hidden)
+        t(f"blk.{i}.ffn_down.weight", hidden, ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -228,3 +229,44 @@ def test_cancel_from_another_thread_stops_a_decode_and_the_context_goes_on(gguf_
     out = ctx.decode(np.zeros(5), toks[:5], np.arange(5), _want(5, [4]))  # the next step runs as usual
     fresh = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
     np.testing.assert_allclose(out, fresh.decode(np.zeros(5), toks[:5], np.arange(5), _want(5, [4])), atol=1e-5)
+
+
+def _first_logits(path: Path) -> tuple[np.ndarray, bool, int]:
+    """A prompt's last logits, whether the weights were repacked, and the file's bytes left in memory."""
+    model = runtime.Model(path)
+    ctx = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
+    logits = ctx.decode(np.zeros(5, np.int32), np.arange(3, 8, dtype=np.int32), np.arange(5, dtype=np.int32),
+                        _want(5, [4]))
+    out = (np.array(logits[-1]), model.repacked, resident_file(path))
+    ctx.close()
+    model.close()
+    return out
+
+
+def test_repacked_weights_leave_the_files_pages_they_came_from(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Q4_0 rows of 256 are what llama.cpp repacks for its x86 kernels (8x8 tiles): once repacked, the file's
+    # pages of those tensors are never read again, so they leave memory; the rest come back as read.
+    q = tmp_path / "small-q4_0.gguf"
+    runtime.quantize(_tiny_gguf(tmp_path / "small-f32.gguf", hidden=256, ff=1024, vocab=512), q, "Q4_0")
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")
+    stored, repacked, held_stored = _first_logits(q)
+    assert not repacked and held_stored > 0.9 * q.stat().st_size  # run from the file's pages: all read
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
+    got, repacked, held = _first_logits(q)
+    assert repacked and held < 0.6 * q.stat().st_size, (held, q.stat().st_size)
+    assert int(got.argmax()) == int(stored.argmax()) and np.allclose(got, stored, atol=1e-2)
+
+
+def test_extra_buffer_types_are_on_unless_the_cpu_has_amx_or_the_user_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSPARK_LLAMACPP_EXTRA_BUFTS", raising=False)
+    facts = {"isa_features": ["avx2", "avx512f"]}
+    monkeypatch.setattr(runtime.hostinfo, "cpu_static", lambda: facts)
+    assert runtime.extra_bufts()
+    facts["isa_features"] = ["avx512f", "amx_tile", "amx_int8"]  # its buffer type crashed (llama.cpp #26954)
+    assert not runtime.extra_bufts()
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
+    assert runtime.extra_bufts()
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")
+    facts["isa_features"] = ["avx2"]
+    assert not runtime.extra_bufts()

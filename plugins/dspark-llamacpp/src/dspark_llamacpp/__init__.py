@@ -23,7 +23,7 @@ from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.11"  # cancel(): steps run on the engine's thread
+DSPARK_API_VERSION = "1.12"  # cancel(); repacked weights with the file's pages released (dspark.sdk.release_file)
 
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds

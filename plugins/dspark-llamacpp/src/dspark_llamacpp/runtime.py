@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark.sdk import hostinfo, release_file
 from llama_cpp import llama_cpp as C
 
 _lock = threading.Lock()
@@ -78,6 +79,16 @@ def _abort_check() -> Any:
 _ABORT: Any = None
 
 
+def extra_bufts() -> bool:
+    """Whether models load with llama.cpp's extra CPU buffer types (repacked weights): on, as llama.cpp's
+    own tools load them, except on CPUs with AMX, whose buffer type crashed in the first decode (llama.cpp
+    PR #26954); ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
+    asked = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS")
+    if asked in ("0", "1"):
+        return asked == "1"
+    return "amx_tile" not in hostinfo.cpu_static()["isa_features"]
+
+
 class Model:
     """A GGUF file loaded once (memory-mapped: the weights stay in the file's own types)."""
 
@@ -86,11 +97,19 @@ class Model:
         self.path = str(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = 0
-        # The extra CPU buffer types (repacked weights, AMX) hold a second, repacked copy of the weights;
-        # keep the file's layout so the weights are held once (and see docs/benchmarks.md for speed).
-        params.use_extra_bufts = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS", "0") == "1"
+        # The extra CPU buffer types run the quantized types llama.cpp repacks for its kernels (Q4_0, Q4_K,
+        # IQ4_NL, Q8_0) from a repacked copy; the file's pages of those tensors are then never read again,
+        # so they leave memory as the load goes (the weights held once, the load's peak too).
+        self.repacked = extra_bufts()
+        params.use_extra_bufts = self.repacked
+        progress = None
+        if self.repacked:
+            progress = C.llama_progress_callback(lambda _done, _user: bool(release_file(self.path) or True))
+            params.progress_callback = progress  # kept alive by ``progress`` until the load returns
         _last_errors.clear()
         ptr = C.llama_model_load_from_file(self.path.encode(), params)
+        if self.repacked:
+            release_file(self.path)  # what the last tensors touched; the tensors run as stored fault back in
         if not ptr:
             why = "; ".join(_last_errors[-3:]) or "llama.cpp could not load it"
             raise LlamaError(f"{self.path}: {why}")
