@@ -32,8 +32,9 @@ Workloads (``--only``):
 Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_batch``, dspark's torch
 threads, which the llamacpp plugin's contexts take), f32 KV cache and flash attention off (the plugin's
 settings, needed for its greedy parity with the torch runner; llama-server ``-ctk f32 -ctv f32 -fa off``),
-greedy, EOS ignored, llama.cpp's extra CPU buffer types (repacked weights) as the plugin loads them (on
-unless the CPU has AMX; llama-server ``--no-repack`` when off). Every contender runs in a process of its own (OpenMP workers spin between calls);
+greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
+engines of up to 8 sequences (not on AMX CPUs), llama.cpp alone as the plugin would for one sequence,
+llama-server by its default (on; ``--no-repack`` where the plugin never repacks). Every contender runs in a process of its own (OpenMP workers spin between calls);
 processes alternate, ``--rounds`` rounds, who goes first rotating. Peak RSS is the process's VmHWM
 (servers: read before they are stopped); load time is the process start to the first token it can serve
 (a dspark start measures the decoder targets once per model and caches the timings, as a user's warm
@@ -67,7 +68,7 @@ ROWS = {"embedded-bf16": "stdlib-llama-bf16.gguf", "embedded-q8_0": "stdlib-llam
         "embedded-q4_k_m": "stdlib-llama-q4_k_m.gguf", "random-0.5b-q4_k_m": "random-0.5b-q4_k_m.gguf",
         "random-0.5b-q8_0": "random-0.5b-q8_0.gguf"}
 DRAFT = "stdlib-llama-draft-bf16.gguf"
-REPACK = True  # llama.cpp's extra CPU buffer types on every side: the plugin's choice (main() reads it)
+REPACK = True  # llama-server repacks (its default) unless the plugin never does here (main() decides)
 
 
 # -- files ---------------------------------------------------------------------------------------------
@@ -389,8 +390,11 @@ def main() -> None:
     from dspark_llamacpp.runtime import extra_bufts
 
     global REPACK
-    extra = REPACK = extra_bufts()  # repacked weights on every side or none (llama-server: --no-repack)
-    print(f"llama.cpp's extra CPU buffer types (repacked weights): {'on' if extra else 'off'}", flush=True)
+    # llama.cpp alone loads one sequence's model as the plugin would; llama-server repacks (its default) unless
+    # the plugin never does here (AMX, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.
+    extra = REPACK = extra_bufts(1)
+    print(f"llama.cpp's extra CPU buffer types (repacked weights), one sequence: {'on' if extra else 'off'}",
+          flush=True)
     work = [w for w in args.only.split(",") if w]
     models = [m for m in args.models.split(",") if m]
     for r in range(1 if args.quick else args.rounds):

@@ -42,7 +42,8 @@ def _memory_fs(path: Path) -> bool:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 2 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                inside = str(path) == parts[1] or str(path).startswith(parts[1].rstrip("/") + "/")
+                if len(parts) > 2 and inside and len(parts[1]) > len(best):
                     best, kind = parts[1], parts[2]
     except OSError:
         return False
@@ -62,14 +63,14 @@ def release_file(path: str | Path) -> int:
     if platform.system() != "Linux":
         return 0
     try:
-        ino = str(os.stat(path).st_ino)
+        dev, ino = _identity(path)
         with open("/proc/self/maps") as f:
             spans = [line.split() for line in f]
     except OSError:
         return 0
     done = 0
     for head in spans:
-        if len(head) >= 6 and head[4] == ino and "w" not in head[1]:
+        if len(head) >= 6 and head[4] == ino and head[3] == dev and "w" not in head[1]:
             start, end = (int(x, 16) for x in head[0].split("-"))
             done += _advise(start, end - start)
     return done
@@ -79,18 +80,24 @@ def resident_file(path: str | Path) -> int:
     """Bytes of ``path``'s pages this process holds in memory, over all its mappings of the file (0 where
     there is no /proc, or no such file)."""
     try:
-        ino = str(os.stat(path).st_ino)
+        dev, ino = _identity(path)
         total, inside = 0, False
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split()
                 if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
-                    inside = head[4] == ino
+                    inside = head[4] == ino and head[3] == dev
                 elif inside and head[0] == "Rss:":
                     total += int(head[1]) * 1024
         return total
     except OSError:
         return 0
+
+
+def _identity(path: str | Path) -> tuple[str, str]:
+    """The file's device and inode as /proc/<pid>/maps writes them ("fd:01", "1234")."""
+    st = os.stat(path)
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", str(st.st_ino)
 
 
 def _advise(start: int, length: int) -> int:

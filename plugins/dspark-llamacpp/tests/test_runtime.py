@@ -262,11 +262,12 @@ def test_extra_buffer_types_are_on_unless_the_cpu_has_amx_or_the_user_says(monke
     monkeypatch.delenv("DSPARK_LLAMACPP_EXTRA_BUFTS", raising=False)
     facts = {"isa_features": ["avx2", "avx512f"]}
     monkeypatch.setattr(runtime.hostinfo, "cpu_static", lambda: facts)
-    assert runtime.extra_bufts()
+    assert runtime.extra_bufts() and runtime.extra_bufts(runtime.REPACK_MAX_SEQS)
+    assert not runtime.extra_bufts(32)  # steps of many rows ran slower repacked
     facts["isa_features"] = ["avx512f", "amx_tile", "amx_int8"]  # its buffer type crashed (llama.cpp #26954)
     assert not runtime.extra_bufts()
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
-    assert runtime.extra_bufts()
+    assert runtime.extra_bufts() and runtime.extra_bufts(32)
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")
     facts["isa_features"] = ["avx2"]
     assert not runtime.extra_bufts()

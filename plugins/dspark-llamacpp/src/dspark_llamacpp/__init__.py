@@ -123,14 +123,17 @@ def gguf_for(spec: DecoderSpec) -> Path:
     return out
 
 
-def load_model(path: Path) -> Any:
-    """One loaded model per file in this process (the engine compiles a spec more than once)."""
+def load_model(path: Path, max_seqs: int = 1) -> Any:
+    """One loaded model per file (and way of holding it) in this process (the engine compiles a spec more
+    than once); ``max_seqs``: the most sequences a step holds, which decides repacking
+    (:func:`runtime.extra_bufts`)."""
+    repack = _runtime().extra_bufts(max_seqs)
     key = str(path.resolve())
     with _models_lock:
-        m = _models.get(key)
+        m = _models.get((key, repack))
         if m is None:
-            m = _runtime().Model(key)
-            _models[key] = m
+            m = _runtime().Model(key, repack=repack)
+            _models[(key, repack)] = m
         return m
 
 
@@ -188,4 +191,4 @@ class LlamaDecoder:
 
 @hookimpl
 def dspark_compile_decoder(decoder: DecoderSpec, device: Device) -> LlamaDecoder | None:
-    return LlamaDecoder(load_model(gguf_for(decoder)), decoder)
+    return LlamaDecoder(load_model(gguf_for(decoder), decoder.max_num_seqs), decoder)

@@ -79,28 +79,34 @@ def _abort_check() -> Any:
 _ABORT: Any = None
 
 
-def extra_bufts() -> bool:
-    """Whether models load with llama.cpp's extra CPU buffer types (repacked weights): on, as llama.cpp's
-    own tools load them, except on CPUs with AMX, whose buffer type crashed in the first decode (llama.cpp
-    PR #26954); ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
+REPACK_MAX_SEQS = 8  # repacked weights for steps of at most this many sequences (docs/benchmarks.md)
+
+
+def extra_bufts(max_seqs: int = 1) -> bool:
+    """Whether a model stepped with at most ``max_seqs`` sequences loads with llama.cpp's extra CPU buffer
+    types (its quantized weights repacked for its kernels): repacked steps of a few rows ran faster and
+    steps of 32 rows slower (docs/benchmarks.md, "Extra buffer types"), so on for engines of up to
+    :data:`REPACK_MAX_SEQS` sequences. Never on CPUs with AMX, whose buffer type crashed in the first
+    decode (llama.cpp PR #26954). ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
     asked = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS")
     if asked in ("0", "1"):
         return asked == "1"
-    return "amx_tile" not in hostinfo.cpu_static()["isa_features"]
+    return max_seqs <= REPACK_MAX_SEQS and "amx_tile" not in hostinfo.cpu_static()["isa_features"]
 
 
 class Model:
     """A GGUF file loaded once (memory-mapped: the weights stay in the file's own types)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, repack: bool | None = None) -> None:
+        """``repack``: load with the extra CPU buffer types; None: :func:`extra_bufts` for one sequence."""
         init()
         self.path = str(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = 0
-        # The extra CPU buffer types run the quantized types llama.cpp repacks for its kernels (Q4_0, Q4_K,
-        # IQ4_NL, Q8_0) from a repacked copy; the file's pages of those tensors are then never read again,
+        # The extra CPU buffer types run the quantized types llama.cpp repacks for its kernels (on x86: Q4_0,
+        # Q4_K, IQ4_NL) from a repacked copy; the file's pages of those tensors are then never read again,
         # so they leave memory as the load goes (the weights held once, the load's peak too).
-        self.repacked = extra_bufts()
+        self.repacked = extra_bufts() if repack is None else repack
         params.use_extra_bufts = self.repacked
         progress = None
         if self.repacked:
