@@ -85,7 +85,7 @@ class OpenVINOOps:
         """A projection's weight as the MatMul takes it (float32): a half-precision one is kept so and
         widened by a Convert marked as weight decompression, the pattern of OpenVINO's own half-precision
         IR, which its CPU plugin packs for its kernels as they are; unmarked, the compile folds the
-        Convert and keeps a float32 copy beside the packed one (3x the weights' bytes held in all)."""
+        Convert and keeps a float32 copy beside the packed one."""
         c = self._stored(a)
         if a.dtype.name not in _HALF:
             return c
