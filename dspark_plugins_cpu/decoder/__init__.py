@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.sdk import mapped
+from dspark.sdk import get_logger, mapped
 from dspark.sdk.decoder import StepBatch
 from dspark.sdk.family import decline
 from dspark.types import DecoderBid
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 _OV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+log = get_logger("dspark_plugins_cpu.decoder")
 BLOCK_SIZE = 32  # the CPU plugin's paged-attention block for f32/bf16/f16 caches (read back after compile)
 
 
@@ -85,7 +86,15 @@ class OpenVINODecoder:
         self._exits: dict[int, Any] = {}
         self.gathered = spec.attn_softcap is not None
         self.weights_file = self._store()
-        self.compiled = self._compile(spec.layers, head=spec.last, store=self.weights_file)
+        try:
+            self.compiled = self._compile(spec.layers, head=spec.last, store=self.weights_file)
+        except OSError as exc:  # the cache's disk is full or read-only: OpenVINO keeps its own copies
+            if self.weights_file is None:
+                raise
+            self.weights_file.discard()
+            self.weights_file = None
+            log.warning("cpu.decoder.unmapped", model=spec.name, reason=str(exc))
+            self.compiled = self._compile(spec.layers, head=spec.last)
         if self.weights_file is not None:
             self.weights_file.close()
         self._unpacked = {False, True}  # steps of one row / of several not yet run: OpenVINO packs at the first
@@ -111,7 +120,11 @@ class OpenVINODecoder:
             return None
         key = {"fingerprint": self.spec.fingerprint, "layers": list(self.spec.layers), "head": self.spec.last,
                "dtype": self.spec.dtype, "layout": decoder_ops.LAYOUT, "openvino": runtime.version()}
-        return mapped.MappedWeights(key)
+        try:
+            return mapped.MappedWeights(key)
+        except OSError as exc:  # the cache cannot be written: OpenVINO keeps its own copies
+            log.warning("cpu.decoder.unmapped", model=self.spec.name, reason=str(exc))
+            return None
 
     def _compile(self, layers: tuple[int, int], head: bool, store: MappedWeights | None = None) -> Any:
         model = decoder_ops.build(self.spec, layers, head=head, store=store)

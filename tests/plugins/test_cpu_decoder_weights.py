@@ -5,6 +5,8 @@ whose pages leave memory once OpenVINO has packed them."""
 from __future__ import annotations
 
 import dataclasses
+import resource
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -100,4 +102,29 @@ def test_the_weights_are_mapped_from_the_cache_and_leave_memory_once_packed(
     again = OpenVINODecoder(spec, device)  # a later start maps the cached file, writing nothing
     assert again.weights_file is not None and again.weights_file.written == 0
     assert all(np.array_equal(g.numpy(), w.numpy()) for g, w in zip(_greedy_logits(again, runner, steps=8), want,
+                                                                     strict=True))
+
+
+def test_a_cache_that_cannot_be_written_leaves_openvino_its_own_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = _device()
+    runner = ModelRunner.from_pretrained(str(MODEL), torch.float32)
+    spec = make_spec(runner, MODEL, max_num_tokens=64, max_num_seqs=1)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(blocker / "cache"))  # no directory can be made under a file
+    unwritable = OpenVINODecoder(spec, device)
+    assert unwritable.weights_file is None
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # a disk that fills after 1 MiB
+        full = OpenVINODecoder(spec, device)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert full.weights_file is None and not list((tmp_path / "cache" / mapped.NAMESPACE).glob("*"))
+    want = _greedy_logits(unwritable, runner, steps=3)
+    assert all(np.array_equal(g.numpy(), w.numpy()) for g, w in zip(_greedy_logits(full, runner, steps=3), want,
                                                                      strict=True))

@@ -171,6 +171,14 @@ class MappedWeights:
         cache.store(NAMESPACE, self.key, {"arrays": self._layout})
         self._file = None
 
+    def discard(self) -> None:
+        """Give up a file being written (the build failed): nothing reaches the cache."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self._maps)
