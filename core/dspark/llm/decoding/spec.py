@@ -123,4 +123,5 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         exit_layers=tuple(range(1, c.num_hidden_layers)), threads=torch.get_num_threads(),
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
-        weights_fn=weights_fn, stored_weights_fn=functools.partial(weights_fn, stored=True), rope_fn=rope_fn, rope_tables_fn=rope_tables_fn, **fields)
+        weights_fn=weights_fn, stored_weights_fn=functools.partial(weights_fn, stored=True), rope_fn=rope_fn,
+        rope_tables_fn=rope_tables_fn, **fields)
