@@ -159,8 +159,8 @@ class DecoderSpec:
         float32), or with ``stored`` (API 1.12) the arrays in the precision the engine holds them, views of
         its tensors where the layout allows: ``float32``, ``float16`` or ``ml_dtypes.bfloat16`` (numpy has
         no bfloat16 of its own). A runtime that keeps weights in the model's precision reads them stored,
-        so that no float32 copy of a half-precision model is made on the way (1.2 GB for each 0.3B
-        parameters); ``np.asarray(w, np.float32)`` widens one where float32 is needed."""
+        so that no float32 copy of a half-precision model is made on the way; ``np.asarray(w, np.float32)``
+        widens one where float32 is needed."""
         if stored and self.stored_weights_fn is not None:
             return self.stored_weights_fn()
         return self.weights_fn()

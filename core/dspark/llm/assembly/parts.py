@@ -8,7 +8,6 @@ on first need (:class:`Devices`), so a start that runs the torch runner alone ne
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dspark.host import hook_threads, hostinfo
+from dspark.host import hook_threads
 from dspark.llm.config import EngineConfig
 from dspark.llm.gguf import load_runner
 from dspark.llm.inputs import InputProcessor
@@ -145,12 +144,6 @@ class _Builder:
 
         started = setup_runner(self.start_context(), self.runner)  # what runs the decoder, and why
         runner = started.runner
-        # The build outlives the start (its callables stay with the engine): it keeps the runner that runs,
-        # not the torch runner's weights a compiled decoder has replaced (held once; read again on failover).
-        self.runner = getattr(runner, "reference", runner)
-        if self.runner is not started.runner:
-            gc.collect()  # the torch runner's ops and weights refer to it: a cycle refcounts alone leave
-            hostinfo.return_freed_memory()
         cache = runner.make_cache(-(-total // started.page_size), started.page_size)
         tokenizer = self.gguf.tokenizer if self.gguf is not None else _load_tokenizer(self.model_path)
         eos_ids = frozenset(mcfg.eos_token_ids)
