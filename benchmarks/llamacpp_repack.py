@@ -1,0 +1,91 @@
+"""llama.cpp's repacked weights (its extra CPU buffer types) against the file's weights as stored, through the
+llamacpp plugin's own ``Context``: the time of a decode step of 1, 8 and 32 rows, and the memory a loaded model
+holds and peaks at (the plugin releases the file's pages of repacked tensors as it loads).
+
+Usage: .venv/bin/python benchmarks/llamacpp_repack.py [GGUF] [--rounds 3] [--threads 2]
+
+Default file: the 0.5B random Llama's Q4_K_M that benchmarks/vs_llamacpp.py writes. 32 sequences of 96 prompt
+tokens share one cache; each row count then decodes 30 steps (the first 3 untimed). Each side runs in its own
+process (OpenMP workers spin between calls), sides alternating, ``--rounds`` rounds; medians of the rounds'
+medians. Ratios are repacked / as stored (< 1: repacking faster or smaller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT = HERE / "out" / "llamacpp" / "files" / "random-0.5b-q4_k_m.gguf"
+ROWS = (1, 8, 32)
+
+
+def _mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
+
+
+def child(path: str, threads: int) -> dict[str, float]:
+    import numpy as np
+
+    from dspark_llamacpp import runtime
+
+    base = _mb("VmRSS")
+    model = runtime.Model(path)
+    held, peak = _mb("VmRSS") - base, _mb("VmHWM") - base
+    ctx = runtime.Context(model, n_ctx=8192, n_seq_max=32, n_batch=512, threads=threads)
+    for s0 in range(0, 32, 4):  # four 96-token prompts a call
+        want = np.zeros(384, bool)
+        want[95::96] = True
+        ctx.decode(np.repeat(np.arange(s0, s0 + 4, dtype=np.int32), 96), np.arange(384, dtype=np.int32) % 5000 + 5,
+                   np.tile(np.arange(96, dtype=np.int32), 4), want)
+    pos = np.full(32, 96, np.int32)
+    out: dict[str, float] = {"load_held_mb": held, "load_peak_mb": peak, "repacked": float(model.repacked)}
+    for n in ROWS:
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            ctx.decode(np.arange(n, dtype=np.int32), np.full(n, 7, np.int32), pos[:n].copy(), np.ones(n, bool))
+            times.append(time.perf_counter() - t)
+            pos[:n] += 1
+        out[f"rows_{n}_ms"] = statistics.median(times[3:]) * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", nargs="?", default=str(DEFAULT))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=("0", "1"))
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.file, args.threads)))
+        return
+    if not Path(args.file).exists():
+        raise SystemExit(f"{args.file}: not found (benchmarks/vs_llamacpp.py writes the 0.5B files)")
+    res: dict[str, list[dict[str, float]]] = {"1": [], "0": []}
+    for r in range(args.rounds):
+        for side in (("1", "0") if r % 2 == 0 else ("0", "1")):
+            env = {**os.environ, "DSPARK_LLAMACPP_EXTRA_BUFTS": side}
+            proc = subprocess.run([sys.executable, __file__, args.file, "--threads", str(args.threads), "--child", side],
+                                  capture_output=True, text=True, env=env, timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            res[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {'repacked' if side == '1' else 'as stored'}: {res[side][-1]}", flush=True)
+    print(f"\n{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds (medians)\n")
+    print("| measure | repacked | as stored | repacked / as stored |\n|---|---|---|---|")
+    for key in (*[f"rows_{n}_ms" for n in ROWS], "load_held_mb", "load_peak_mb"):
+        a, b = (statistics.median(x[key] for x in res[s]) for s in ("1", "0"))
+        print(f"| {key} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
