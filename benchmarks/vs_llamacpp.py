@@ -34,9 +34,9 @@ threads, which the llamacpp plugin's contexts take), f32 KV cache and flash atte
 settings, needed for its greedy parity with the torch runner; llama-server ``-ctk f32 -ctv f32 -fa off``),
 greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
 engines of up to 8 sequences (not on AMX CPUs), llama.cpp alone as the plugin would for one sequence,
-llama-server by its default (on; ``--no-repack`` where the plugin never repacks). Every contender runs in a process of its own (OpenMP workers spin between calls);
-processes alternate, ``--rounds`` rounds, who goes first rotating. Peak RSS is the process's VmHWM
-(servers: read before they are stopped); load time is the process start to the first token it can serve
+llama-server by its default (on; ``--no-repack`` where the plugin never repacks). Every contender runs in
+a process of its own (OpenMP workers spin between calls); processes alternate, ``--rounds`` rounds, who
+goes first rotating. Peak RSS is the process's VmHWM (servers: read before they are stopped); load time is the process start to the first token it can serve
 (a dspark start measures the decoder targets once per model and caches the timings, as a user's warm
 start does: the first round's start is the cold one, its figures are reported beside).
 Ratios are dspark / peer (> 1: dspark better for speed; < 1 better for memory and load time).

@@ -94,6 +94,21 @@ def extra_bufts(max_seqs: int = 1) -> bool:
     return max_seqs <= REPACK_MAX_SEQS and "amx_tile" not in hostinfo.cpu_static()["isa_features"]
 
 
+def _releasing(path: str) -> Any:
+    """llama.cpp's load progress callback (``bool (*)(float progress, void *)``, true: go on) that releases
+    the file's pages every twentieth of the load (reading the process's mappings at every tensor would add
+    to the load what the release saves)."""
+    last = [0.0]
+
+    def progress(done: float, _user: Any) -> bool:
+        if done - last[0] >= 0.05:
+            last[0] = done
+            release_file(path)
+        return True
+
+    return progress
+
+
 class Model:
     """A GGUF file loaded once (memory-mapped: the weights stay in the file's own types)."""
 
@@ -110,7 +125,7 @@ class Model:
         params.use_extra_bufts = self.repacked
         progress = None
         if self.repacked:
-            progress = C.llama_progress_callback(lambda _done, _user: bool(release_file(self.path) or True))
+            progress = C.llama_progress_callback(_releasing(self.path))
             params.progress_callback = progress  # kept alive by ``progress`` until the load returns
         _last_errors.clear()
         ptr = C.llama_model_load_from_file(self.path.encode(), params)
