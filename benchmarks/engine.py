@@ -134,8 +134,8 @@ class Level:
         self.sampling = False
         orig = eng.step
 
-        def step():  # wraps the engine's step so LLM.generate runs unchanged
-            out = orig()
+        def step(**kw):  # wraps the engine's step so LLM.generate runs unchanged
+            out = orig(**kw)
             if self.sampling:
                 s = eng.stats()
                 if s.kv_used_pages:

@@ -86,10 +86,10 @@ class Probe:
             self.cur["forward_ms"] += (time.perf_counter() - t0) * 1e3
             return out
 
-        def estep() -> Any:
+        def estep(**kw: Any) -> Any:
             self.cur = collections.defaultdict(float)
             t0 = time.perf_counter()
-            out = o_estep()
+            out = o_estep(**kw)
             if self.cur:
                 self.steps.append(dict(self.cur, ms=(time.perf_counter() - t0) * 1e3))
             return out
