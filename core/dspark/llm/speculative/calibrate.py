@@ -35,6 +35,7 @@ class Calibration(DrafterCalls):
     calibration: dict[str, Any]
     controller: Controller | None
     verify_cost: VerifyCost
+    change_ms: float = 0.0  # what a change of the step's row count costs (_change_cost)
 
     def _calibrate(self) -> None:
         """Time the target's verify forwards and every drafter on this machine, before serving."""
@@ -97,11 +98,14 @@ class Calibration(DrafterCalls):
                     t0 = time.perf_counter()
                     fwd(*c)
                     times[c].append((time.perf_counter() - t0) * 1e3)
+            self.change_ms = self._change_cost(fwd)
             labels = []
-            for (B, k, full), ts in times.items():
+            for j, ((B, k, full), ts) in enumerate(times.items()):
                 rows, head = padded_drafted(runner.padded_rows, B, B * k), head_rows(B, k, full)
                 xs.append(verify_x(B, rows, B if k else 0, 0, head))
-                ys.append(_low(ts))
+                before_c = configs[j - 1]  # each was timed right after the one before it (the first after the last)
+                changed = before_c[0] * (1 + before_c[1]) != B * (1 + k)
+                ys.append(max(_low(ts) - (self.change_ms if changed else 0.0), 0.5 * _low(ts)))
                 labels.append(f"B{B}+{B * k}" + ("" if rows == B * k else f" ({rows} rows)")
                               + ("" if full else f" head {head}"))
             t1 = ys[0]
@@ -110,6 +114,7 @@ class Calibration(DrafterCalls):
             # Prefill tokens: what a prefill step costs beyond an empty step, per token.
             theta[4] = max(0.0, (statistics.median(prefill_ms) - theta[0]) / (ctx_len - 1))
             self.calibration["verify_ms"] = {lb: round(y, 3) for lb, y in zip(labels, ys)}
+            self.calibration["shape_change_ms"] = round(self.change_ms, 3)
             self._prior_costs(theta)
             for h in self.handles:
                 dx, dy = [], []
@@ -146,9 +151,34 @@ class Calibration(DrafterCalls):
             if self.controller is None and hasattr(self, "verify_cost"):
                 self.controller = self._make_controller()
 
+    def _change_cost(self, fwd: Any) -> float:
+        """What a step costs beyond its rows when its row count differs from the previous step's: a one-row
+        and a five-row step each timed after one of their own shape and after the other, interleaved. Below
+        a twentieth of a one-row step it is taken as none (runtimes that build each step's work afresh)."""
+        one, five = (1, 0, True), (1, 4, True)
+        same1: list[float] = []
+        after5: list[float] = []
+        same5: list[float] = []
+        after1: list[float] = []
+        fwd(*one)
+        for _ in range(5):
+            for shape, same, other in ((one, same1, after5), (five, same5, after1)):
+                fwd(*shape)
+                t0 = time.perf_counter()
+                fwd(*shape)
+                same.append((time.perf_counter() - t0) * 1e3)
+                fwd(*(five if shape is one else one))
+                t0 = time.perf_counter()
+                fwd(*shape)
+                other.append((time.perf_counter() - t0) * 1e3)
+        cost = 0.5 * ((_low(after5) - _low(same1)) + (_low(after1) - _low(same5)))
+        return cost if cost > 0.05 * _low(same1) else 0.0
+
     def _make_controller(self) -> Controller:
-        return Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK,  # type: ignore[misc]
-                          pad=self.runner.padded_rows)
+        c = Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK,  # type: ignore[misc]
+                       pad=self.runner.padded_rows)
+        c.change_ms = getattr(self, "change_ms", 0.0)
+        return c
 
     def _prior_costs(self, theta: list[float] | None) -> None:
         if theta is None:  # no room to measure: a neutral prior, corrected online

@@ -35,6 +35,12 @@ sequences are settled by the same iterations. The plan is only taken when
 its predicted rate beats plain decoding's, so when drafting cannot pay (low
 acceptance, costly drafter, big batch whose verify tokens cost nearly full
 price) every k is 0 and the step is a plain decode step.
+
+Some targets also pay for a change of the step's shape (a compiled graph with
+dynamic shapes prepares every node again when the row count changes): the
+startup calibration measures that cost (``change_ms``). For a lone sequence the
+plan then also weighs keeping the previous step's row count, a draft padded
+with filler tokens up to it, against the change (``width.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark.llm.speculative.verify import head_rows
+from dspark.llm.speculative.width import keep_width
 
 
 class RLS:
@@ -220,6 +227,8 @@ class Plan:
     marginal: dict[int, float] = field(default_factory=dict)  # drafter -> time of one more drafted token
     # The best single draft's predicted net gain over plain decoding, in tokens (negative: a loss).
     best_margin: float = float("-inf")
+    # Rows to pad the step to with filler tokens, to keep the previous step's shape (0: none).
+    width: int = 0
 
 
 class Controller:
@@ -231,6 +240,11 @@ class Controller:
         self.head_block = head_block
         # The rows a forward of n rows is computed as (ModelRunner.padded_rows); None: n.
         self.pad = pad
+        # What a step costs beyond its rows when its row count differs from the previous step's (measured
+        # at startup; 0: the target does not pay for it), and the filler paid since the last change
+        # (width.Width: padding a step with filler only, rather than changing, is rent against that cost).
+        self.change_ms = 0.0
+        self.filler_ms = 0.0
         self._pad_rows: list[int] = [0]  # [k]: the rows one sequence's k drafted tokens cost, alone
 
     def _alone_rows(self, n: int) -> list[int]:
@@ -247,7 +261,7 @@ class Controller:
         return self.draft[d].predict(draft_x(positions, seqs))
 
     def choose(self, options: list[list[Option]], prefill_tokens: int = 0, sunk_ms: float = 0.0,
-               iterations: int = 4, rate: float | None = None) -> Plan:
+               iterations: int = 4, rate: float | None = None, prev_rows: int | None = None) -> Plan:
         """``options[i]``: the drafters open to decode sequence i. Returns one choice per sequence.
 
         ``sunk_ms``: time already spent that no choice changes (lookups run for everyone).
@@ -260,7 +274,8 @@ class Controller:
         copy, free text) persists from step to step, and what its own steps earn now is what a
         drafted token's time would otherwise earn (each rule measured best where it is used:
         docs/benchmarks.md). A plan is only taken when its step is predicted faster than
-        a plain one."""
+        a plain one. ``prev_rows``: the previous step's rows (with ``change_ms``, a lone sequence's plan
+        may keep them: ``Plan.width``)."""
         B = len(options)
         th = self.verify.theta
         c_tok, c_chunk, c_head = float(th[2]), float(th[3]), float(th[5])
@@ -366,5 +381,7 @@ class Controller:
             best = Plan(choices, plan_rate, plain_rate, marginal)
             R = plan_rate
         best.best_margin = margin
+        if self.change_ms > 0 and B == 1 and not prefill_tokens and prev_rows:
+            best = keep_width(self, best, options[0], curves[0], prev_rows, sunk_ms)
         return best
 

@@ -160,6 +160,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.fixed: Handle | None = None
         if self.strategy == "fixed" and self.handles:
             self.fixed = self.handles[0] if cfg.drafters else min(self.handles, key=lambda h: _KIND_ORDER[h.kind])
+        self.prev_rows: int | None = None
         self.steps = 0
         self.spec_steps = 0
         self.explore_steps = 0
@@ -218,7 +219,11 @@ class SpecDecoder(Proposer, Learner, Calibration):
             prop.verdict = dict(zip(greedy, got))
             n_head -= sum(len(chunks[i].token_ids) - rows for i, (_, _, rows) in prop.verdict.items())
         fwd_ms = (time.perf_counter() - fwd_start) * 1e3
+        rows = sum(len(c.token_ids) for c in chunks)
+        changed, self.prev_rows = rows != self.prev_rows, rows
         if self.controller is not None:
+            if changed:  # the cost models learn a step's cost at a steady shape; a change is priced apart
+                fwd_ms = max(fwd_ms - self.controller.change_ms, 0.5 * fwd_ms)
             n_dec, pre = len(prop.dec), prop.prefill_tokens
             n_rows = padded_drafted(self.runner.padded_rows, n_dec + pre, n_drafted)
             x = verify_x(n_dec, n_rows, sum(1 for d in prop.pend.values() if d.tokens), pre, n_head)
@@ -231,7 +236,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
         """What plain decoding would have produced for drafted sequence ``seq`` (chunk ``ci``, target
         logits ``rows``). Sampling draws from the sequence's generator; a grammar is advanced."""
         d = prop.pend[seq.request_id]
-        prop.used.add(d.handle.idx)
+        if d.drafted:
+            prop.used.add(d.handle.idx)
         gen = seq.generator or self.default_gen
         lps = None
         if ci in prop.verdict:
@@ -246,6 +252,6 @@ class SpecDecoder(Proposer, Learner, Calibration):
         """After the engine appended ``verdict``'s tokens: the drafter rolled back to what was kept
         (unless the request finished), and the outcome learned."""
         d = prop.pend[seq.request_id]
-        if not finished:
+        if not finished and d.drafted:
             self._tell(d.handle, "commit", seq.request_id, seq.num_computed)
         self._learn(seq, d, verdict.accepted)

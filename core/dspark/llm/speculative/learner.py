@@ -42,7 +42,10 @@ class Learner(DrafterCalls):
 
     def _learn(self, seq: Sequence, d: Pending, n_acc: int) -> None:
         h = d.handle
-        k = len(d.tokens)
+        k = d.drafted  # the filler padding a step to its width is neither learned nor counted
+        n_acc = min(n_acc, k)
+        if k == 0:
+            return
         h.stats.drafts += 1
         h.stats.draft_tokens += k
         h.stats.accepted_tokens += n_acc

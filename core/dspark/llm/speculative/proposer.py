@@ -63,6 +63,13 @@ class Pending:
     x_of: Callable[[int], list[float]] | None = None
     # (previous token, drafted token) per drafted token, for drafters whose pairs are learned (lookups).
     pairs: list[tuple[int, int]] | None = None
+    # Drafted tokens before the filler that pads the step to the previous step's rows (None: no filler;
+    # 0: filler only, nothing drafted). Filler is verified like a draft but neither learned nor counted.
+    real: int | None = None
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tokens) if self.real is None else self.real
 
 
 def _last(seq: Sequence) -> int:
@@ -137,6 +144,7 @@ class Proposer(DrafterCalls):
     explore_steps: int
     _quiet: float
     _explore_gap: int
+    prev_rows: int | None  # the previous step's rows (SpecDecoder.verify), for the controller's width
 
     def propose(self, planned: list[ScheduledChunk]) -> Proposal:
         """Drafts for the decode sequences of a scheduled step, cut where a grammar refuses them."""
@@ -249,7 +257,27 @@ class Proposer(DrafterCalls):
             h_i = chosen[i][0]
             if k > 0 and rid not in pend and h_i is not None:
                 pend[rid] = Pending(h_i, [], None)
+        width = self._plan.width if self._plan is not None and self.strategy == "deepspec" else 0
+        if width and len(seqs) == 1 and not prefill_tokens:
+            self._pad(pend, seqs[0], width)
         return pend
+
+    def _pad(self, pend: dict[str, Pending], seq: Sequence, width: int) -> None:
+        """Pad ``seq``'s draft with filler tokens to ``width`` rows (Plan.width), where KV room allows: greedy
+        verification judges filler as any drafted token, so the tokens kept are plain decoding's."""
+        if not (seq.params.greedy and seq.plain) or width - 1 > self._cap(seq) \
+                or not self.cache.can_grow(seq.request_id, seq.num_computed + width):
+            return
+        d = pend.get(seq.request_id)
+        toks = list(d.tokens) if d is not None else []
+        if len(toks) >= width - 1:
+            return
+        self.cache.reserve(seq.request_id, seq.num_computed + width)
+        fill = [toks[-1] if toks else _last(seq)] * (width - 1 - len(toks))
+        if d is None:
+            pend[seq.request_id] = Pending(self.handles[0], fill, None, real=0)
+        else:
+            d.tokens, d.real = toks + fill, len(toks)
 
     def _pair_terms(self, seq: Sequence, h: Handle, toks: list[int]) -> _PairTerms | None:
         """A draft's token pairs and their learned terms as they stand now (None: pairs are not learned
@@ -336,7 +364,7 @@ class Proposer(DrafterCalls):
                     # Unused drafters' histories drift back to the overall mean: a bad streak is not forever.
                     st.hist[h.idx] += 0.05 * (pred.mean[h.idx] - st.hist[h.idx])
             options.append(opts)
-        plan = self.controller.choose(options, prefill_tokens, sunk_ms, rate=self.rate)
+        plan = self.controller.choose(options, prefill_tokens, sunk_ms, rate=self.rate, prev_rows=self.prev_rows)
         self._plan = plan
         out = [(None if c.drafter is None else self.handles[c.drafter], c.k) for c in plan.choices]
         if any(options) and not any(k for _, k in out):
