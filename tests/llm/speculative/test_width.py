@@ -82,3 +82,31 @@ def test_padded_steps_decode_as_plain_and_filler_is_neither_counted_nor_learned(
     assert real > 0 and stats.spec_draft_tokens == real  # drafted tokens counted, filler not
     assert rows > real and filler_only > 0  # steps were padded, some with filler alone
     assert stats.spec_accepted_tokens <= stats.spec_draft_tokens
+
+
+def test_a_fixed_configuration_verifies_its_k_every_step_where_a_change_costs(
+        spec_llm: Callable[..., LLM], plain_outputs: list[list[int]]) -> None:
+    k = 4
+    llm = spec_llm({"strategy": "fixed", "drafters": ["prompt-lookup"], "num_speculative_tokens": k},
+                   max_batch_size=1)
+    spec = llm.engine.spec
+    assert spec is not None and "shape_change_ms" in spec.calibration  # measured at startup
+    spec.change_ms = 50.0
+    runner = llm.engine.runner
+    step = runner.step
+    rows: list[int] = []
+
+    def counted(cache: Any, chunks: Any, exit_layer: int | None = None) -> Any:
+        rows.append(sum(len(c.token_ids) for c in chunks))
+        return step(cache, chunks, exit_layer)
+
+    runner.step = counted  # type: ignore[method-assign]
+    for prompt, n, want in zip(_prompts(), GREEDY_LENS, plain_outputs):
+        rows.clear()
+        assert llm.generate([prompt], _greedy(n))[0].token_ids == want
+        # After the prompt's prefill every step verifies k tokens, drafted or filler, fewer only where
+        # max_tokens leaves less room (which only shrinks): without the filler, steps with nothing to
+        # copy would take one row between wider ones.
+        decode = rows[1:]
+        assert decode and decode[0] == 1 + min(k, n - 2), (n, decode)
+        assert decode == sorted(decode, reverse=True), (n, decode)

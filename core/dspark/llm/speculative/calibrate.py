@@ -37,8 +37,9 @@ class Calibration(DrafterCalls):
     verify_cost: VerifyCost
     change_ms: float = 0.0  # what a change of the step's row count costs (_change_cost)
 
-    def _calibrate(self) -> None:
-        """Time the target's verify forwards and every drafter on this machine, before serving."""
+    def _calibrate(self, costs: bool = True) -> None:
+        """Time the target's verify forwards and every drafter on this machine, before serving; with
+        ``costs`` False only what a change of the step's shape costs (the fixed strategy's width)."""
         cache, runner = self.cache, self.runner
         ctx_len, kmax = 48, self.cfg.max_k
         V = self.vocab
@@ -90,6 +91,9 @@ class Calibration(DrafterCalls):
                 for s in sel:
                     cache.truncate(s, 1 + k)
 
+            if not costs:
+                self.change_ms = self._change_cost(fwd)
+                return
             for c in configs:
                 fwd(*c)  # warm
             times: dict[tuple[int, int, bool], list[float]] = {c: [] for c in configs}

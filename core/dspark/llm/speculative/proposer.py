@@ -145,6 +145,7 @@ class Proposer(DrafterCalls):
     _quiet: float
     _explore_gap: int
     prev_rows: int | None  # the previous step's rows (SpecDecoder.verify), for the controller's width
+    change_ms: float  # what a change of the step's row count costs (Calibration._change_cost)
 
     def propose(self, planned: list[ScheduledChunk]) -> Proposal:
         """Drafts for the decode sequences of a scheduled step, cut where a grammar refuses them."""
@@ -257,7 +258,10 @@ class Proposer(DrafterCalls):
             h_i = chosen[i][0]
             if k > 0 and rid not in pend and h_i is not None:
                 pend[rid] = Pending(h_i, [], None)
-        width = self._plan.width if self._plan is not None and self.strategy == "deepspec" else 0
+        if self.strategy == "fixed":  # a fixed configuration verifies its k every step, drafts or not
+            width = 1 + caps[0] if self.change_ms > 0 else 0
+        else:
+            width = self._plan.width if self._plan is not None else 0
         if width and len(seqs) == 1 and not prefill_tokens:
             self._pad(pend, seqs[0], width)
         return pend
