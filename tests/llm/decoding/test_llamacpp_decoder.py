@@ -65,13 +65,16 @@ def test_batching_chunked_prefill_preemption_priorities_match_torch() -> None:
     assert e.runner.failovers == []
 
 
-@pytest.mark.parametrize("spec", [{"enabled": True},
-                                  {"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 4}],
-                         ids=["deepspec", "prompt-lookup"])
-def test_speculative_decoding_on_llamacpp_is_lossless(spec: dict[str, Any]) -> None:
-    # Verified drafts ask every row's logits; rejected ones are dropped from llama.cpp's cache.
+@pytest.mark.parametrize(("spec", "seqs"), [({"enabled": True}, 8), ({"enabled": True}, 1),
+                                           ({"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 4}, 8),
+                                           ({"strategy": "fixed", "drafters": ["ngram"], "num_speculative_tokens": 4}, 1)],
+                         ids=["deepspec", "deepspec-one-at-a-time", "prompt-lookup", "prompt-lookup-one-at-a-time"])
+def test_speculative_decoding_on_llamacpp_is_lossless(spec: dict[str, Any], seqs: int) -> None:
+    # Verified drafts ask every row's logits; rejected ones are dropped from llama.cpp's cache. One sequence at a
+    # time, the startup calibration times no more sequences than llama.cpp was set up to hold (it once timed 4
+    # and the engine failed over to another target before its first request).
     ref = _run(_engine("torch"), _greedy(32))
-    e = _engine("llamacpp", speculative_decoding=spec)
+    e = _engine("llamacpp", speculative_decoding=spec, max_batch_size=seqs)
     got = _run(e, _greedy(32))
     assert _tokens(got) == _tokens(ref)
     s = e.stats()

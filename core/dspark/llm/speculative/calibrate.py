@@ -45,7 +45,8 @@ class Calibration(DrafterCalls):
         V = self.vocab
         pattern = [3 + (i * 7919) % max(V - 3, 1) for i in range(12)]
         per = cache.pages_for(ctx_len + kmax + 2)
-        nseq = max(0, min(4, cache.allocator.num_free // per))
+        # No more sequences than the cache may hold at once (a runtime keeping its own KV refuses more).
+        nseq = max(0, min(4, cache.allocator.num_free // per, getattr(runner, "max_seqs", 4)))
         if nseq == 0:
             self._prior_costs(None)
             self.controller = self._make_controller()
