@@ -16,7 +16,9 @@ import dspark
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm import LLM
-from dspark.types import Draft, DrafterSpec, TargetModel
+from dspark.llm.speculative.controller import RLS, draft_x
+from dspark.llm.speculative.handles import DrafterCalls, Handle
+from dspark.types import Draft, DrafterSpec, DraftRequest, TargetModel
 
 
 class _Faulty:
@@ -138,3 +140,34 @@ def test_call_guard_workers_end_with_their_guard() -> None:
         hung(threading.Event().wait, 30)
     with pytest.raises(DrafterTimeout, match="an earlier wait never returned"):
         hung(int)
+
+
+class _Recorded(RLS):
+    """A drafter's cost model that keeps what it was taught."""
+
+    def __init__(self) -> None:
+        super().__init__([0.0] * 4, [1.0] * 4)
+        self.xs: list[list[float]] = []
+
+    def update(self, x: list[float], y: float) -> None:
+        self.xs.append(list(x))
+        super().update(x, y)
+
+
+class _StopsEarly:
+    """A model drafter whose keep_going stopped it after two positions, whatever k it was asked."""
+
+    def propose_batch(self, reqs: list[DraftRequest]) -> list[Draft]:
+        return [Draft(tokens=[5, 6][: r.k]) for r in reqs]
+
+
+def test_a_drafters_cost_is_learned_per_position_it_ran_not_per_position_asked() -> None:
+    calls = DrafterCalls()
+    calls.failures, calls.vocab = 0, 64
+    model = Handle(0, "model", "model", "test", _StopsEarly(), cost=_Recorded())
+    lookup = Handle(1, "lookup", "ngram", "test", _StopsEarly(), cost=_Recorded(), probe=True, calls=7)
+    calls.handles = [model, lookup]
+    reqs = [DraftRequest("a", [1, 2, 3], 16), DraftRequest("b", [1, 2], 16)]
+    assert calls._run(model, reqs) is not None and calls._run(lookup, reqs) is not None
+    assert model.cost.xs == [draft_x(2, 2)]  # two positions ran (asked for 16: each learned 8x too cheap)
+    assert lookup.cost.xs == [draft_x(16, 2)]  # a lookup's time is per sequence; what was asked stands

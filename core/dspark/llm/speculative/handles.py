@@ -75,6 +75,16 @@ def guarded_create(offer: Any, timeout_s: float) -> Any:
         g.close()
 
 
+def positions(h: Handle, reqs: list[DraftRequest], drafts: list[Draft]) -> int:
+    """The draft positions a call paid for: a model drafter runs one forward per position until every
+    request has its tokens or its ``keep_going`` stopped it, so the longest draft returned (asked for k=16
+    and stopped after 2, it paid for 2: priced at 16, each position would be learned 8x too cheap); a
+    lookup's time barely depends on positions, so what was asked."""
+    if h.probe:
+        return max(r.k for r in reqs)
+    return max(1, max((len(d.tokens) for d in drafts), default=0))
+
+
 def stateful(h: Handle) -> bool:
     """A built-in drafter whose learned state ``snapshot``/``restore`` cover (a third party's is its own)."""
     return h.guard is None and callable(getattr(h.obj, "snapshot", None)) \
@@ -128,7 +138,7 @@ class DrafterCalls:
             h.calls += 1
             # A lookup's cost barely moves and it is called every step: refresh its model now and then.
             if h.cost is not None and (not h.probe or h.calls % 8 == 0):
-                h.cost.update(draft_x(max(r.k for r in reqs), len(reqs)), ms)
+                h.cost.update(draft_x(positions(h, reqs, drafts), len(reqs)), ms)
         return drafts
 
     def _tell(self, h: Handle, method: str, *args: Any) -> None:
