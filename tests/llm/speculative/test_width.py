@@ -1,4 +1,4 @@
-"""A lone sequence's step width where a change of the step's shape costs (speculative/width.py): the
+"""A lone sequence's step width where a change of the step's shape costs (controller.keep_width): the
 controller keeps the previous step's rows with filler when that beats paying the change, pays filler
 only up to one change's price, and the engine's tokens stay plain decoding's with the filler verified
 like drafted tokens but never counted or learned."""

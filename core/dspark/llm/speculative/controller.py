@@ -40,19 +40,18 @@ Some targets also pay for a change of the step's shape (a compiled graph with
 dynamic shapes prepares every node again when the row count changes): the
 startup calibration measures that cost (``change_ms``). For a lone sequence the
 plan then also weighs keeping the previous step's row count, a draft padded
-with filler tokens up to it, against the change (``width.py``).
+with filler tokens up to it, against the change (``keep_width``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from dspark.llm.speculative.verify import head_rows
-from dspark.llm.speculative.width import keep_width
 
 
 class RLS:
@@ -385,3 +384,43 @@ class Controller:
             best = keep_width(self, best, options[0], curves[0], prev_rows, sunk_ms)
         return best
 
+
+# -- a lone sequence's width ---------------------------------------------------
+Curve = tuple[list[float], list[float], list[int]]  # per k: expected tokens, head rows, rows computed
+
+
+def keep_width(ctrl: Controller, plan: Plan, opts: list[Option], curves: list[Curve], prev: int,
+               sunk_ms: float) -> Plan:
+    """``plan`` for one decode sequence re-chosen with the change of the step's shape priced (``change_ms``;
+    ``prev``: the previous step's rows). Per drafter and k it weighs the step as drafted (1 + k rows, paying
+    the change unless that is the previous count) against the draft padded with filler tokens to the
+    previous rows (no change; filler is verified like drafted tokens, so the output stays plain
+    decoding's), and a one-row plain step against filler alone at the previous width. Filler alone is rent
+    against the change's price: taken only while the filler paid since the last change stays within one
+    change (ski rental), so a run with nothing to draft goes back to one row after a bounded loss. The
+    returned plan's ``width`` is the rows to pad the step to (0: as drafted)."""
+    th = ctrl.verify.theta
+    c_tok, c_chunk, c_head = float(th[2]), float(th[3]), float(th[5])
+    base = ctrl.verify.predict([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]) + sunk_ms
+    change = ctrl.change_ms
+    # (rate, drafter, k, expected tokens gained, head rows, width, filler cost)
+    best = (1.0 / (base + (change if prev != 1 else 0.0)), None, 0, 0.0, 0.0, 0, 0.0)
+    for o, (cums, heads, rows) in zip(opts, curves):
+        for k, (cum, head, r) in enumerate(zip(cums, heads, rows), 1):
+            t = base + c_tok * r + c_chunk + c_head * head + (0.0 if o.sunk else ctrl.draft_time(o.drafter, k, 1))
+            exact = (1.0 + cum) / (t + (change if 1 + r != prev else 0.0))
+            if exact > best[0]:
+                best = (exact, o.drafter, k, cum, head, 0, 0.0)
+            fill = prev - 1 - r
+            if fill > 0:
+                padded = (1.0 + cum) / (t + (c_tok + c_head) * fill)
+                if padded > best[0]:
+                    best = (padded, o.drafter, k, cum, head + fill, prev, 0.0)
+    if prev > 1:
+        rent = (c_tok + c_head) * (prev - 1) + c_chunk
+        if ctrl.filler_ms + rent <= change and 1.0 / (base + rent) > best[0]:
+            best = (1.0 / (base + rent), None, 0, 0.0, float(prev - 1), prev, rent)
+    rate, drafter, k, gain, head, width, rent_paid = best
+    ctrl.filler_ms = ctrl.filler_ms + rent_paid if rent_paid else 0.0
+    choice = replace(plan.choices[0], drafter=drafter, k=k, gain=gain, head=head)
+    return replace(plan, choices=[choice], rate=rate, width=width)
