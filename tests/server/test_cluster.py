@@ -184,12 +184,33 @@ def test_soak_two_replicas_disconnects_lose_nothing_and_free_every_kv_page(serve
 
 
 def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(served: ServerHandle) -> None:
+    # The kill waits until the victim streams (by its own metrics), but a sequence whose first tokens the
+    # ingress has not received yet is sent again to the other replica, not failed: on a loaded machine every
+    # stream the victim had started could still be in flight to the ingress (a fresh-clone CI run saw all 160
+    # complete). So the scenario runs again, with the replica back, until a kill lands mid-stream (at most 3).
+    for attempt in range(3):
+        s, res, restarted_s = _kill_one_replica_under_load(served, seed=5 + attempt)
+        if s.failed:
+            break
+    else:
+        pytest.fail("in 3 kills no stream the ingress had started was on the killed replica")
+    assert set(s.errors) == {"stream_error"}, s.errors
+    assert "engine_unavailable" in s.error_samples["stream_error"]
+    print(f"\nreplica killed under 16 clients: {s.failed} streams failed (engine_unavailable), {s.completed} "
+          f"completed; replica back after {restarted_s:.0f} s (kill {attempt + 1})")
+    _, after = load(served, 8, 4, seed=6)
+    assert after.summary().completed == 8
+
+
+def _kill_one_replica_under_load(served: ServerHandle, seed: int) -> tuple[Any, Any, float]:
+    """SIGKILL one replica while it streams under 160 requests from 16 clients; returns the load's summary
+    and results, checked, once the replica is back and both are idle, with the seconds it took to come back."""
     victim = replicas(served)[0]
     tokens_before = scrape(victim).value("dspark_generation_tokens_total", 0.0)
     box: dict[str, Any] = {}
 
     def go() -> None:
-        box["reqs"], box["res"] = load(served, 160, 16, max_tokens=(24, 48), seed=5)
+        box["reqs"], box["res"] = load(served, 160, 16, max_tokens=(24, 48), seed=seed)
 
     t = threading.Thread(target=go)
     t.start()
@@ -203,11 +224,9 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
     assert not t.is_alive(), "the load never finished: something hung after the replica died"
     s = box["res"].summary()
     assert s.completed + s.failed == 160 and s.disconnected == 0
-    # Only what had started streaming on the killed replica fails: at least one of the streams that were
-    # mid-generation when it died (one may end between the scrape and the kill), at most its share of the clients.
-    assert 1 <= s.failed <= 16, s
-    assert set(s.errors) == {"stream_error"}, s.errors
-    assert "engine_unavailable" in s.error_samples["stream_error"]
+    # Only what had started streaming on the killed replica fails: at most its share of the clients.
+    assert s.failed <= 16, s
+    assert set(s.errors) <= {"stream_error"}, s.errors
     for r in box["res"].results:
         assert (r.ok and r.output_tokens == r.max_tokens) or r.error == "stream_error", r
     back = wait_for(lambda: [e for e in replicas(served) if e["pid"] != victim["pid"]] if len(replicas(served)) == 2
@@ -216,10 +235,7 @@ def test_replica_killed_mid_load_fails_only_its_own_streams_and_comes_back(serve
     assert len(back) == 2
     restarted_s = time.monotonic() - killed_at
     wait_for(lambda: idle(served), 30, "both replicas idle after the kill")
-    print(f"\nreplica killed under 16 clients: {s.failed} streams failed (engine_unavailable), {s.completed} "
-          f"completed; replica back after {restarted_s:.0f} s")
-    _, after = load(served, 8, 4, seed=6)
-    assert after.summary().completed == 8
+    return s, box["res"], restarted_s
 
 
 def test_node_joining_then_one_leaving_moves_its_replica(served: ServerHandle, cluster: LocalCluster) -> None:
