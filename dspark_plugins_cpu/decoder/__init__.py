@@ -168,7 +168,7 @@ class OpenVINODecoder:
                     req.set_tensor(f"value_cache.{a + i}", kv[i][1])
                 self._bound[id(req)] = kv
             feed = {"position_ids": batch.rope_rows, "past_lens": batch.past_lens,
-                    "subsequence_begins": batch.subsequence_begins, "block_indices": batch.block_indices,
+                    "subsequence_begins": batch.subsequence_begins, "block_indices": _bucketed(batch.block_indices),
                     "block_indices_begins": batch.block_indices_begins,
                     "max_context_len": np.asarray(batch.max_context_len, dtype=np.int32)}
             if a == 0:
@@ -244,6 +244,19 @@ class OpenVINODecoder:
                 new = req.get_tensor(f"{kind}_new.{a + i}").data
                 gathered.write(kv[i][j], new, batch.slot_mapping)
         return np.array(req.get_output_tensor(0).data)
+
+
+def _bucketed(blocks: np.ndarray) -> np.ndarray:
+    """``blocks`` (every sequence's block table, end to end) padded with zeros to a power of two, at least 16:
+    PagedAttention reads only up to ``block_indices_begins``' last offset, and a length that changes as
+    sequences cross pages would make OpenVINO prepare its attention nodes again at each crossing."""
+    n = len(blocks)
+    size = max(16, 1 << max(n - 1, 0).bit_length())
+    if size == n:
+        return blocks
+    out = np.zeros(size, dtype=blocks.dtype)
+    out[:n] = blocks
+    return out
 
 
 def compile_decoder(spec: DecoderSpec, device: Device) -> OpenVINODecoder | None:
