@@ -442,6 +442,9 @@ def main() -> None:
           f"computed (long drafts' rows past the first block only when it held)")
     if "self_exit_layer" in cal:
         print(f"  self-draft exit layer (measured on the first real context): {cal['self_exit_layer']}")
+    if "shape_change_ms" in cal:
+        print(f"  a change of the step's row count: {cal['shape_change_ms']:.2f} ms beyond the rows (0: the target "
+              "pays none; else a lone sequence's step may be padded with filler to keep its shape)")
     sys.stdout.flush()
 
 
