@@ -17,9 +17,7 @@ from dspark.llm.speculative.controller import RLS, Controller, Option
 def _controller(change_ms: float, per_row_ms: float = 0.05) -> Controller:
     # A plain step of 1 ms, each drafted row 0.05 ms, a verify chunk 0.02 ms; a lookup costs nothing.
     verify = RLS([0.8, 0.2, per_row_ms, 0.02, 0.0, 0.0], [1.0] * 6)
-    c = Controller(verify, [RLS([0.0, 0.0, 0.0, 0.0], [1.0] * 4)])
-    c.change_ms = change_ms
-    return c
+    return Controller(verify, [RLS([0.0, 0.0, 0.0, 0.0], [1.0] * 4)], change_ms=change_ms)
 
 
 def test_a_short_draft_is_padded_to_the_previous_steps_rows_when_a_change_costs_more() -> None:

@@ -46,10 +46,12 @@ class Calibration(DrafterCalls):
         pattern = [3 + (i * 7919) % max(V - 3, 1) for i in range(12)]
         per = cache.pages_for(ctx_len + kmax + 2)
         # No more sequences than the cache may hold at once (a runtime keeping its own KV refuses more).
-        nseq = max(0, min(4, cache.allocator.num_free // per, getattr(runner, "max_seqs", 4)))
-        if nseq == 0:
-            self._prior_costs(None)
-            self.controller = self._make_controller()
+        # The change of shape alone needs one.
+        nseq = max(0, min(4 if costs else 1, cache.allocator.num_free // per, getattr(runner, "max_seqs", 4)))
+        if nseq == 0:  # no room to measure: priors for DeepSpec, no change of shape priced
+            if costs:
+                self._prior_costs(None)
+                self.controller = self._make_controller()
             return
         ids = [f"__spec_cal_{i}" for i in range(nseq)]
         ctx = {s: (pattern[i:] + pattern[:i]) * (ctx_len // len(pattern)) for i, s in enumerate(ids)}
@@ -93,7 +95,7 @@ class Calibration(DrafterCalls):
                     cache.truncate(s, 1 + k)
 
             if not costs:
-                self.change_ms = self._change_cost(fwd)
+                self._change_cost(fwd)
                 return
             for c in configs:
                 fwd(*c)  # warm
@@ -103,7 +105,7 @@ class Calibration(DrafterCalls):
                     t0 = time.perf_counter()
                     fwd(*c)
                     times[c].append((time.perf_counter() - t0) * 1e3)
-            self.change_ms = self._change_cost(fwd)
+            self._change_cost(fwd)
             labels = []
             for j, ((B, k, full), ts) in enumerate(times.items()):
                 rows, head = padded_drafted(runner.padded_rows, B, B * k), head_rows(B, k, full)
@@ -119,7 +121,6 @@ class Calibration(DrafterCalls):
             # Prefill tokens: what a prefill step costs beyond an empty step, per token.
             theta[4] = max(0.0, (statistics.median(prefill_ms) - theta[0]) / (ctx_len - 1))
             self.calibration["verify_ms"] = {lb: round(y, 3) for lb, y in zip(labels, ys)}
-            self.calibration["shape_change_ms"] = round(self.change_ms, 3)
             self._prior_costs(theta)
             for h in self.handles:
                 dx, dy = [], []
@@ -156,10 +157,11 @@ class Calibration(DrafterCalls):
             if self.controller is None and hasattr(self, "verify_cost"):
                 self.controller = self._make_controller()
 
-    def _change_cost(self, fwd: Any) -> float:
-        """What a step costs beyond its rows when its row count differs from the previous step's: a one-row
-        and a five-row step each timed after one of their own shape and after the other, interleaved. Below
-        a twentieth of a one-row step it is taken as none (runtimes that build each step's work afresh)."""
+    def _change_cost(self, fwd: Any) -> None:
+        """Measure ``change_ms``, what a step costs beyond its rows when its row count differs from the previous
+        step's: a one-row and a five-row step each timed after one of their own shape and after the other,
+        interleaved. Below a twentieth of a one-row step it is taken as none (runtimes that build each step's
+        work afresh)."""
         one, five = (1, 0, True), (1, 4, True)
         same1: list[float] = []
         after5: list[float] = []
@@ -177,13 +179,12 @@ class Calibration(DrafterCalls):
                 fwd(*shape)
                 other.append((time.perf_counter() - t0) * 1e3)
         cost = 0.5 * ((_low(after5) - _low(same1)) + (_low(after1) - _low(same5)))
-        return cost if cost > 0.05 * _low(same1) else 0.0
+        self.change_ms = cost if cost > 0.05 * _low(same1) else 0.0
+        self.calibration["shape_change_ms"] = round(self.change_ms, 3)
 
     def _make_controller(self) -> Controller:
-        c = Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK,  # type: ignore[misc]
-                       pad=self.runner.padded_rows)
-        c.change_ms = getattr(self, "change_ms", 0.0)
-        return c
+        return Controller(self.verify_cost, [h.cost for h in self.handles], head_block=HEAD_BLOCK,  # type: ignore[misc]
+                          pad=self.runner.padded_rows, change_ms=self.change_ms)
 
     def _prior_costs(self, theta: list[float] | None) -> None:
         if theta is None:  # no room to measure: a neutral prior, corrected online

@@ -232,7 +232,7 @@ class Plan:
 
 class Controller:
     def __init__(self, verify: VerifyCost | RLS, draft: list[RLS], head_block: int | None = None,
-                 pad: Callable[[int], int] | None = None) -> None:
+                 pad: Callable[[int], int] | None = None, change_ms: float = 0.0) -> None:
         self.verify = verify
         self.draft = draft
         # Rows of logits per verification block; None: the head runs over every drafted row.
@@ -241,8 +241,8 @@ class Controller:
         self.pad = pad
         # What a step costs beyond its rows when its row count differs from the previous step's (measured
         # at startup; 0: the target does not pay for it), and the filler paid since the last change
-        # (width.Width: padding a step with filler only, rather than changing, is rent against that cost).
-        self.change_ms = 0.0
+        # (keep_width: a step of filler alone, rather than a change, is rent against that cost).
+        self.change_ms = change_ms
         self.filler_ms = 0.0
         self._pad_rows: list[int] = [0]  # [k]: the rows one sequence's k drafted tokens cost, alone
 
@@ -401,7 +401,7 @@ def keep_width(ctrl: Controller, plan: Plan, opts: list[Option], curves: list[Cu
     returned plan's ``width`` is the rows to pad the step to (0: as drafted)."""
     th = ctrl.verify.theta
     c_tok, c_chunk, c_head = float(th[2]), float(th[3]), float(th[5])
-    base = ctrl.verify.predict([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]) + sunk_ms
+    base = ctrl.verify.predict(verify_x(1, 0, 0, 0)) + sunk_ms
     change = ctrl.change_ms
     # (rate, drafter, k, expected tokens gained, head rows, width, filler cost)
     best = (1.0 / (base + (change if prev != 1 else 0.0)), None, 0, 0.0, 0.0, 0, 0.0)

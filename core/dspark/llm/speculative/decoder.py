@@ -173,7 +173,6 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.calibration: dict[str, Any] = {}
         if self.strategy == "fixed" and self.fixed is not None:
             self._calibrate(costs=False)
-            self.calibration["shape_change_ms"] = round(self.change_ms, 3)
         if self.strategy == "deepspec" and self.handles:
             self._calibrate()
             if self.controller is None:
