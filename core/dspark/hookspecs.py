@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.12).
+"""The dspark plugin contract (API version 1.13).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.12"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.13"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -27,6 +27,8 @@ carries Gemma's output norms. API 1.11 lets a compiled decoder offer ``cancel()`
 run on the engine's own thread, a watchdog cancelling one that passes its deadline, instead of on a
 watchdog thread. API 1.12 hands a decoder the model's weights in the precision the engine holds
 them (``DecoderSpec.weights(stored=True)``), so no float32 copy of a half-precision model is made.
+API 1.13 lets a decoder that keeps its KV per sequence offer ``greedy_steps``: several greedy decode
+steps in one call, the engine's own work paid once per run instead of once per token.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.12"
+API_VERSION = "1.13"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

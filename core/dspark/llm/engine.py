@@ -13,6 +13,7 @@ import torch
 from dspark.host.log import get_logger
 from dspark.llm.assembly import EngineParts, build_parts
 from dspark.llm.config import EngineConfig
+from dspark.llm.decoding.runs import RunLength, is_decode, run_limits, stop_ids
 from dspark.llm.detokenize import Detokenizer
 from dspark.llm.logits import (
     LogprobsPrefix,
@@ -56,6 +57,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._default_gen = parts.default_gen
         self._steps, self._step_ms, self._forward_ms = 0, 0.0, 0.0  # where step time goes (stats())
+        self._run = RunLength(self.config.decode_run_ms)  # greedy steps per decoder call (decoding/runs.py)
         self.load_seconds = parts.load_seconds
         ref = getattr(self.runner, "reference", self.runner)
         log.info("llm.engine.loaded", model=str(self.model_path), seconds=round(self.load_seconds, 2),
@@ -145,13 +147,22 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         spec = self.spec
+        if spec is None and not self.scheduler.waiting and getattr(self.runner, "offers_greedy_steps", None):
+            limits = run_limits(planned, self._run.steps(), self.max_model_len)
+            if limits is not None and self.runner.offers_greedy_steps():
+                ran = self._step_run(planned, limits, t0, finished_only)
+                if ran is not None:
+                    return ran
         prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
         if spec is not None and prop is not None:
             chunks = [spec.chunk(prop, p, ch) for p, ch in zip(planned, chunks)]
         t_fwd = time.perf_counter()
         logits = self.runner.step(self.cache, chunks)
-        self._forward_ms += (time.perf_counter() - t_fwd) * 1e3
+        fwd_ms = (time.perf_counter() - t_fwd) * 1e3
+        self._forward_ms += fwd_ms
+        if spec is None and all(is_decode(p) for p in planned):
+            self._run.observe(fwd_ms)
         if spec is not None and prop is not None:
             spec.verify(prop, chunks, logits, t_fwd)  # first: it times the forward
         drafted = [bool(prop is not None and prop.draft(p.seq)) for p in planned]
@@ -201,6 +212,34 @@ class LLMEngine:
         if spec is not None and prop is not None:
             spec.end_step(prop, step_ms)
         self.scheduler.record_step(step_ms)
+        return outputs
+
+    def _step_run(self, planned: list[ScheduledChunk], limits: list[int], t0: float,
+                  finished_only: bool) -> list[RequestOutput] | None:
+        """A run of greedy decode steps in one decoder call (decoding/runs.py): each planned decode gets up to
+        its limit of tokens, appended through the stop checks as a step's are (tokens past a stop are
+        dropped with the request). None when the decoder did not run it (the caller steps once instead)."""
+        chunks = [self._chunk(p) for p in planned]
+        t_fwd = time.perf_counter()
+        toks = self.runner.greedy_steps(self.cache, chunks, limits, stop_ids(planned, self.eos_ids))
+        if toks is None:
+            return None
+        fwd_ms = (time.perf_counter() - t_fwd) * 1e3
+        steps = max(map(len, toks))
+        self._forward_ms += fwd_ms
+        self._run.observe(fwd_ms, steps)
+        outputs = []
+        for p, got in zip(planned, toks):
+            seq = p.seq
+            seq.num_computed += len(got)  # the chunk's token and every token fed after it
+            self._append(seq, got)
+            if not finished_only or seq.status is Status.FINISHED:
+                outputs.append(self._output(seq))
+            if seq.status is Status.FINISHED:
+                del self._seqs[seq.request_id]
+        step_ms = (time.perf_counter() - t0) * 1e3
+        self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
+        self.scheduler.record_step(step_ms / steps)  # the batch limit adapts to a step's time, not a run's
         return outputs
 
     def _append(self, seq: Sequence, toks: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:

@@ -318,6 +318,16 @@ class SequenceDecoder(Protocol):
     vocab]`` as a numpy array or CPU torch tensor. A step that raises is charged to the plugin and
     the engine moves to its next target, which recomputes the sequences from their tokens.
     Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11).
+
+    Optional (API 1.13): ``greedy_steps(kv, batch, limits, stop_ids)``, several greedy decode steps
+    in one call. ``batch`` holds one row per sequence (apply its drops first, as ``step`` does);
+    each step takes every live sequence's argmax over the model's vocabulary as its next token and
+    feeds it the step after, until sequence ``i`` has ``limits[i]`` tokens (``>= 1``) or gave a
+    token of ``stop_ids`` (a frozenset). Returns int64 ``[len(limits), max(limits)]``: each row's
+    tokens in order, then -1. Afterwards the cache holds each sequence's row and every token it
+    gave but the last, as that many ``step`` calls would leave it. The engine calls it only while
+    every running request is plain greedy decoding and none waits; tokens past a stop string or a
+    finished request are discarded (its positions dropped). A call that raises is charged as a step.
     """
 
     kv_mode: Literal["sequence"]

@@ -254,19 +254,20 @@ class DecoderRunner:
             kv_of_seqs.advanced(chunks, cache)
         return split_logits(chunks, logits)  # type: ignore[return-value]
 
-    def _call_step(self, target: Target, kv: Any, batch: Any) -> Any:
-        """The compiled step under the step's deadline: a decoder that can cancel a step (API 1.11) runs on this
-        thread with the watchdog armed; any other runs on a watchdog thread, abandoned if it does not return in
-        time."""
+    def _call_step(self, target: Target, kv: Any, batch: Any, *extra: Any, method: str = "step") -> Any:
+        """The compiled step (or ``method``) under the step's deadline: a decoder that can cancel a step (API
+        1.11) runs on this thread with the watchdog armed; any other runs on a watchdog thread, abandoned if it
+        does not return in time."""
         compiled: Any = target.compiled
+        fn = getattr(compiled, method)
         timeout = self.step_timeout_s
         if timeout is None:
-            return compiled.step(kv, batch)
+            return fn(kv, batch, *extra)
         cancel = getattr(compiled, "cancel", None)
         if cancel is not None:
             token = watchdog.arm(timeout, cancel, target.label)
             try:
-                raw = compiled.step(kv, batch)
+                raw = fn(kv, batch, *extra)
             except Exception:
                 if watchdog.disarm(token):
                     raise TimeoutError(f"step did not return within {timeout:g} s (cancelled)") from None
@@ -275,9 +276,59 @@ class DecoderRunner:
                 raise TimeoutError(f"step did not return within {timeout:g} s")
             return raw
         try:
-            return hook_threads.call_with_timeout(compiled.step, [kv, batch], timeout, f"{target.label}.step")
+            return hook_threads.call_with_timeout(fn, [kv, batch, *extra], timeout, f"{target.label}.{method}")
         except hook_threads.CallTimeout:
             raise TimeoutError(f"step did not return within {timeout:g} s") from None
+
+    # -- several greedy steps in one call (API 1.13) ----------------------------------------------
+    def offers_greedy_steps(self) -> bool:
+        t = self.current
+        return t.compiled is not None and t.keeps_kv and hasattr(t.compiled, "greedy_steps")
+
+    def greedy_steps(self, cache: PagedKVCache, chunks: list[SeqChunk], limits: list[int],
+                     stop_ids: frozenset[int]) -> list[list[int]] | None:
+        """Greedy decoding of up to ``limits[i]`` tokens for decode chunk ``i`` (one token each) in one call to
+        the current target (:meth:`SequenceDecoder.greedy_steps`), the cache moved as that many steps move it.
+        Returns each chunk's tokens; None when the target offers no such call, or failed (it is then failed
+        over, and the caller runs a plain step). A run the pages cannot hold is shortened to what they hold."""
+        if not self.observers:
+            return self._greedy_steps(cache, chunks, limits, stop_ids)
+        with self.observers.timed("forward"):
+            return self._greedy_steps(cache, chunks, limits, stop_ids)
+
+    def _greedy_steps(self, cache: PagedKVCache, chunks: list[SeqChunk], limits: list[int],
+                      stop_ids: frozenset[int]) -> list[list[int]] | None:
+        with self._lock:
+            target = self.current
+            if not self.offers_greedy_steps() or cache.device_kv is None or cache.device_kv[0] != target.label:
+                return None
+            kv = cache.device_kv[1]
+            lims = []
+            for ch, lim in zip(chunks, limits):
+                s = cache.seq_lens.get(ch.seq_id, 0)
+                while lim > 1 and not cache.can_grow(ch.seq_id, s + lim):
+                    lim -= 1
+                cache.reserve(ch.seq_id, s + lim)
+                lims.append(lim)
+            batch = build_seq_batch(cache, kv, chunks)
+            try:
+                raw = self._call_step(target, kv.store, batch, np.asarray(lims, np.int64), stop_ids,
+                                      method="greedy_steps")
+                toks = _greedy_tokens(raw, lims, self.reference.cfg.vocab_size)
+            except Exception as exc:
+                for ch in chunks:  # the pages reserved past each sequence's length go back
+                    cache.truncate(ch.seq_id, 0)
+                if not self.failover_enabled:
+                    raise
+                self._failover(target, f"greedy_steps: {type(exc).__name__}: {exc}")
+                return None
+            fed = [SeqChunk(ch.seq_id, [*ch.token_ids, *t[:-1]]) for ch, t in zip(chunks, toks)]
+            self._record(cache, fed)
+            for ch in fed:
+                cache.set_len(ch.seq_id, cache.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
+                cache.truncate(ch.seq_id, 0)
+            kv.advanced(fed, cache)
+            return toks
 
     @staticmethod
     def _record(cache: PagedKVCache, chunks: list[SeqChunk], *, advanced: bool = False) -> None:
@@ -354,3 +405,20 @@ class DecoderRunner:
                     self._compiled_step(target, cache, [part], None)
             rebuilt += 1
         return rebuilt
+
+
+def _greedy_tokens(raw: Any, limits: list[int], vocab: int) -> list[list[int]]:
+    """Each row's tokens of a ``greedy_steps`` result, checked against what was asked: a row of at least one
+    and at most its limit, token ids in the vocabulary, -1 only after the last."""
+    a = np.asarray(raw)
+    if a.ndim != 2 or a.shape[0] != len(limits) or a.shape[1] < max(limits):
+        raise ValueError(f"greedy_steps returned shape {a.shape}, expected ({len(limits)}, {max(limits)})")
+    out = []
+    for i, lim in enumerate(limits):
+        row = a[i, :lim].tolist()
+        n = row.index(-1) if -1 in row else lim
+        toks = row[:n]
+        if not toks or any(not 0 <= t < vocab for t in toks) or any(t != -1 for t in row[n:]):
+            raise ValueError(f"greedy_steps row {i}: {row} is not 1 to {lim} token ids followed by -1")
+        out.append(toks)
+    return out
