@@ -141,6 +141,53 @@ def test_dropped_positions_decode_again_to_the_same_logits(gguf_file: Path) -> N
     assert ctx.slots == {}
 
 
+def _greedy_alone(model: runtime.Model, prompt: list[int], n: int) -> list[int]:
+    ctx = runtime.Context(model, n_ctx=64, n_seq_max=1, n_batch=16, threads=1)
+    lg = ctx.decode(np.zeros(len(prompt)), np.asarray(prompt), np.arange(len(prompt)), _want(len(prompt), [len(prompt) - 1]))
+    out = []
+    for p in range(len(prompt), len(prompt) + n):
+        out.append(int(lg[-1].argmax()))
+        lg = ctx.decode(np.zeros(1), np.asarray(out[-1:]), np.asarray([p]), np.ones(1, np.int8))
+    return out
+
+
+@pytest.mark.parametrize("unified", [True, False], ids=["one-cache", "cache-per-sequence"])
+def test_a_greedy_run_gives_each_sequences_tokens_and_leaves_the_cache_as_steps_would(gguf_file: Path,
+                                                                                     unified: bool) -> None:
+    model = runtime.Model(gguf_file)
+    prompts = {4: [3, 17, 42, 8, 9], 6: [50, 51], 5: [60, 2, 71]}
+    want = {s: _greedy_alone(model, p, 8) for s, p in prompts.items()}
+    stop = want[6][3]  # sequence 6 stops at its 4th token (or sooner, where that token comes earlier)
+    dec = plugin.dspark_compile_decoder(_spec(gguf_file), _device())
+    assert dec is not None
+    kv = dec.allocate(192, 3) if unified else runtime.Context(model, n_ctx=192, n_seq_max=3, n_batch=16, threads=1,
+                                                               unified=False)
+    seqs = list(prompts)
+    lg = np.asarray(dec.step(kv, SeqBatch(seq_ids=np.asarray([s for s in seqs for _ in prompts[s]]),
+                                          input_ids=np.asarray([t for s in seqs for t in prompts[s]]),
+                                          positions=np.asarray([i for s in seqs for i in range(len(prompts[s]))]),
+                                          logit_rows=np.cumsum([len(prompts[s]) for s in seqs]) - 1)))
+    first = [int(r.argmax()) for r in lg]
+    limits = np.asarray([6, 8, 2])  # sequence 5 stops at its limit
+    batch = SeqBatch(seq_ids=np.asarray(seqs), input_ids=np.asarray(first),
+                     positions=np.asarray([len(prompts[s]) for s in seqs]), logit_rows=np.arange(3))
+    out = dec.greedy_steps(kv, batch, limits, frozenset({stop}))
+    assert out.shape == (3, 8) and out.dtype == np.int64
+    got = {s: [int(t) for t in row if t >= 0] for s, row in zip(seqs, out)}
+    cut6 = want[6][1:].index(stop) + 1  # its tokens after the first (the step's) up to the stop
+    assert got[4] == want[4][1:7][: next((i + 1 for i, t in enumerate(want[4][1:7]) if t == stop), 6)]
+    assert got[6] == want[6][1 : cut6 + 1]
+    assert got[5] == want[5][1:3][: next((i + 1 for i, t in enumerate(want[5][1:3]) if t == stop), 2)]
+    assert all((row[len(got[s]):] == -1).all() for s, row in zip(seqs, out))
+    # The cache holds every token but the last of each run: the next step continues where single steps would.
+    nxt = [got[s][-1] for s in seqs]
+    pos = [len(prompts[s]) + len(got[s]) for s in seqs]
+    lg = np.asarray(dec.step(kv, SeqBatch(seq_ids=np.asarray(seqs), input_ids=np.asarray(nxt),
+                                          positions=np.asarray(pos), logit_rows=np.arange(3))))
+    for s, row in zip(seqs, lg):
+        assert int(row.argmax()) == want[s][len(got[s]) + 1]
+
+
 def test_more_sequences_than_the_context_holds_is_an_error_not_a_crash(gguf_file: Path) -> None:
     ctx = runtime.Context(runtime.Model(gguf_file), n_ctx=64, n_seq_max=2, n_batch=8, threads=1)
     with pytest.raises(runtime.LlamaError, match="more than 2 live sequences"):

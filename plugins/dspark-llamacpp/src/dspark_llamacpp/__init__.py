@@ -23,7 +23,7 @@ from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.12"  # cancel(); repacked weights with the file's pages released (dspark.sdk.release_file)
+DSPARK_API_VERSION = "1.13"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps
 
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
@@ -181,6 +181,19 @@ class LlamaDecoder:
             with self._cancel_lock:
                 self._running = None
         return logits[:, : self.vocab] if logits.shape[1] != self.vocab else logits
+
+    def greedy_steps(self, kv: Any, batch: SeqBatch, limits: np.ndarray, stop_ids: frozenset[int]) -> np.ndarray:
+        """Several greedy decode steps in one call (API 1.13): one ``llama_decode`` and an argmax per step."""
+        for seq, first in batch.drops:
+            kv.drop(seq, first)
+        with self._cancel_lock:
+            self._running = kv
+        try:
+            out: np.ndarray = kv.greedy(batch.seq_ids, batch.input_ids, batch.positions, limits, stop_ids, self.vocab)
+        finally:
+            with self._cancel_lock:
+                self._running = None
+        return out
 
     def cancel(self) -> None:
         """Stop the step running now (API 1.11: the engine's watchdog, past the step's deadline)."""

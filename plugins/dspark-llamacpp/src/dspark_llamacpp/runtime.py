@@ -262,6 +262,63 @@ class Context:
             out = out[np.argsort(order[want.astype(bool)], kind="stable")]
         return out
 
+    def _logits_view(self, rows: int) -> np.ndarray:
+        """The last decode's logits ``[rows, n_vocab]`` in llama.cpp's own buffer (read before the next decode)."""
+        return np.ctypeslib.as_array(C.llama_get_logits(self.ptr), shape=(rows, self.n_vocab))
+
+    def greedy(self, seqs: np.ndarray, tokens: np.ndarray, positions: np.ndarray, limits: np.ndarray,
+               stops: set[int], vocab: int) -> np.ndarray:
+        """Greedy decoding of several steps in one call: row ``i`` (one per sequence) appends ``tokens[i]`` at
+        ``positions[i]``; each step's argmax over the first ``vocab`` logits is the sequence's next token and
+        is fed the step after, until the sequence has ``limits[i]`` tokens or gave one of ``stops``. Returns
+        ``[rows, max(limits)]`` int64, -1 past each sequence's last token; every token but the last is in the
+        cache afterwards."""
+        n = len(tokens)
+        out = np.full((n, int(limits.max())), -1, np.int64)
+        slots = np.fromiter((self.slot(int(s)) for s in seqs), np.int32, n)
+        if n > self.n_batch:
+            raise LlamaError(f"{n} sequences in one greedy run, n_batch {self.n_batch}")
+        self._abort[0] = b"\x00"
+        b = self._batch
+        if n == 1:  # one sequence: plain ints, no array work between decodes
+            t, p, lim = int(tokens[0]), int(positions[0]), int(limits[0])
+            self._seq[0], self._logits[0] = slots[0], 1
+            b.n_tokens = 1
+            for s in range(lim):
+                self._token[0], self._pos[0] = t, p + s
+                self._decode_checked(1)
+                t = int(self._logits_view(1)[0, :vocab].argmax())
+                out[0, s] = t
+                if t in stops:
+                    break
+            return out
+        order = np.argsort(slots, kind="stable")  # consecutive slots: one micro-batch (see decode)
+        tok = tokens.astype(np.int32)
+        pos = positions.astype(np.int32)
+        stop_arr = np.fromiter(stops, np.int64, len(stops))
+        active = order
+        for s in range(int(limits.max())):
+            m = len(active)
+            self._token[:m], self._pos[:m], self._seq[:m] = tok[active], pos[active], slots[active]
+            self._logits[:m] = 1
+            b.n_tokens = m
+            self._decode_checked(m)
+            nxt = self._logits_view(m)[:, :vocab].argmax(1)
+            out[active, s] = nxt
+            tok[active] = nxt
+            pos[active] += 1
+            active = active[(s + 1 < limits[active]) & ~np.isin(nxt, stop_arr)]
+            if not len(active):
+                break
+        return out
+
+    def _decode_checked(self, m: int) -> None:
+        rc = C.llama_decode(self.ptr, self._batch)
+        if rc != 0 or self._abort[0] != b"\x00":
+            what = ("no free KV cells" if rc == 1 else "cancelled" if self._abort[0] != b"\x00"
+                    else f"llama_decode returned {rc}")
+            raise LlamaError(f"{what} ({m} rows, {len(self.slots)} sequences, n_ctx {self.n_ctx})")
+
     def cancel(self) -> None:
         """Stop the running ``decode`` at its graph's next node (from any thread): it raises "cancelled"."""
         self._abort[0] = b"\x01"

@@ -1,0 +1,216 @@
+"""Runs of greedy decode steps in one decoder call (plugin API 1.13, ``greedy_steps``; llm/decoding/runs.py).
+
+On llama.cpp (plugins/dspark-llamacpp), a run gives exactly the tokens, text and finish reasons of one step
+per call, however the run ends (max_tokens, a stop token, a stop string, EOS, the model's length); it is
+only taken while every running request is plain greedy decoding and none waits; a decoder whose run fails
+or answers wrongly is failed over like a failing step, and no request is lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from decoder_testutil import MODEL, float_engine
+
+from dspark.hookspecs import hookimpl
+from dspark.host.plugin_manager import PluginHost
+from dspark.host.settings import PluginSettings
+from dspark.llm.decoding.runs import MAX_RUN, RunLength, run_limits
+from dspark.llm.engine import LLMEngine
+from dspark.llm.sampling import SamplingParams
+
+dspark_llamacpp = pytest.importorskip("dspark_llamacpp", reason="the llamacpp plugin is not installed (scripts/setup.sh)")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+
+PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
+           "for i in range(10):\n    print(i)\nfor j in range("]
+RUN_MS = 1e6  # every run as long as MAX_RUN: the test does not depend on how fast this machine steps
+
+
+def _engine(run_ms: float, decoder: str = "llamacpp", **kw: Any) -> LLMEngine:
+    e = float_engine(decoder, decode_run_ms=run_ms, **{"max_batch_size": 4, **kw})
+    assert e.stats().decoder == (f"{decoder}@cpu" if decoder != "torch" else "torch"), e.decoder_choice
+    return e
+
+
+def _drive(e: LLMEngine, reqs: dict[str, tuple[str, SamplingParams]], late: dict[str, tuple[str, SamplingParams]] | None = None,
+           late_after: int = 3) -> tuple[dict[str, tuple[list[int], str, str | None]], dict[str, str]]:
+    """Run ``reqs`` (and ``late``, added after ``late_after`` steps) to the end: each request's tokens, text and
+    finish reason, and its text as the concatenation of its streamed deltas."""
+    for rid, (p, sp) in reqs.items():
+        e.add_request(rid, p, sp)
+    done: dict[str, tuple[list[int], str, str | None]] = {}
+    streamed: dict[str, str] = {}
+    steps = 0
+    while e.has_unfinished():
+        for o in e.step():
+            streamed[o.request_id] = streamed.get(o.request_id, "") + o.delta
+            if o.finished:
+                done[o.request_id] = (list(o.token_ids), o.text, o.finish_reason)
+        steps += 1
+        if late and steps == late_after:
+            for rid, (p, sp) in late.items():
+                e.add_request(rid, p, sp)
+    assert e.cache.all_free()
+    return done, streamed
+
+
+def _first_tokens(n: int = 40) -> dict[str, list[int]]:
+    e = _engine(0.0)
+    done, _ = _drive(e, {str(i): (p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                         for i, p in enumerate(PROMPTS)})
+    return {k: v[0] for k, v in done.items()}
+
+
+def test_a_run_ends_where_one_step_at_a_time_ends() -> None:
+    plain = _first_tokens()
+    tok = plain["0"][9]  # a token request 0 gives mid-run: its stop token
+    e0 = _engine(0.0)
+    text0 = e0.tokenizer.decode(plain["2"][:14])
+    stop_str = text0[-4:] if text0[-4:].strip() else text0[-6:]
+    reqs = {"len": (PROMPTS[0], SamplingParams(max_tokens=37, temperature=0, ignore_eos=True)),
+            "stop-token": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[tok])),
+            "stop-string": (PROMPTS[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop_str])),
+            "eos": (PROMPTS[3], SamplingParams(max_tokens=40, temperature=0))}
+    late = {"late": (PROMPTS[1], SamplingParams(max_tokens=29, temperature=0, ignore_eos=True))}
+    ref, ref_stream = _drive(e0, reqs, late)
+    e = _engine(RUN_MS)
+    e._run.observe(1.0)  # a step's time known from the start: the first decode step is already a run
+    got, stream = _drive(e, reqs, late)
+    assert got == ref
+    assert stream == {k: v[1] for k, v in got.items()} == ref_stream
+    assert ref["stop-token"][2] == "stop" and ref["stop-token"][0][-1] == tok and len(ref["stop-token"][0]) < 40
+    assert ref["stop-string"][2] == "stop" and len(ref["stop-string"][0]) < 40
+    # Runs happened: far fewer engine steps than one per token.
+    assert e.stats().steps * 3 < e0.stats().steps, (e.stats().steps, e0.stats().steps)
+    assert e.runner.failovers == []
+
+
+def test_a_run_stops_at_the_models_length() -> None:
+    sp = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    outs = []
+    for run_ms in (0.0, RUN_MS):
+        e = _engine(run_ms, max_model_len=48)
+        e._run.observe(1.0)
+        done, _ = _drive(e, {"a": (PROMPTS[0], sp)})
+        outs.append(done["a"])
+    assert outs[0] == outs[1] and outs[0][2] == "length"
+
+
+def test_requests_that_sample_or_want_logprobs_step_one_token_at_a_time() -> None:
+    reqs = {"t": (PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)),
+            "lp": (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True))}
+    runs: list[Any] = []
+    for run_ms in (0.0, RUN_MS):
+        e = _engine(run_ms)
+        e._run.observe(1.0)
+        done, _ = _drive(e, reqs)
+        runs.append((done, e.stats().steps))
+    assert runs[0] == runs[1]  # same tokens, and as many steps: no run was taken
+
+
+def test_run_limits_take_only_plain_greedy_decodes_with_room() -> None:
+    e = _engine(RUN_MS, max_model_len=64)
+    e.add_request("a", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    planned = e.scheduler.schedule()
+    assert run_limits(planned, 8, e.max_model_len) is None  # a prefill chunk
+    e.abort("a")
+    e.add_request("b", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    e.step()  # the prefill, and the first token
+    planned = e.scheduler.schedule()
+    assert run_limits(planned, 8, e.max_model_len) == [4]  # max_tokens leaves 4
+    assert run_limits(planned, 1, e.max_model_len) is None
+    e.abort("b")
+
+
+def test_run_length_fits_the_budget() -> None:
+    r = RunLength(4.0)
+    assert r.steps() == 1  # no step timed yet
+    r.observe(0.5)
+    assert r.steps() == 8
+    r.observe(100.0, steps=10)  # a run of 10 steps of 10 ms each pulls the estimate up
+    assert r.steps() < 8
+    big = RunLength(1e9)
+    big.observe(0.001)
+    assert big.steps() == MAX_RUN
+    assert RunLength(0.0).steps() == 1
+
+
+class _BadRuns:
+    """llama.cpp's decoder whose ``greedy_steps`` raises (``mode="raise"``) or answers a token outside the
+    vocabulary (``mode="garbage"``) on its ``fail_at``-th run."""
+
+    DSPARK_API_VERSION = "1.13"
+
+    def __init__(self, mode: str, fail_at: int) -> None:
+        self.mode, self.fail_at, self.runs = mode, fail_at, 0
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"runtime": "bad-runs llama.cpp"}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return dspark_llamacpp.dspark_decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
+        plugin = self
+
+        class Bad:
+            kv_mode = "sequence"
+
+            def allocate(self, n: int, seqs: int) -> Any:
+                return inner.allocate(n, seqs)
+
+            def step(self, kv: Any, batch: Any) -> Any:
+                return inner.step(kv, batch)
+
+            def greedy_steps(self, kv: Any, batch: Any, limits: np.ndarray, stop_ids: frozenset[int]) -> Any:
+                plugin.runs += 1
+                out = inner.greedy_steps(kv, batch, limits, stop_ids)
+                if plugin.runs == plugin.fail_at:
+                    if plugin.mode == "raise":
+                        raise RuntimeError("llama.cpp aborted mid-run")
+                    out[0, 0] = 10**6
+                return out
+
+        return Bad()
+
+
+def _bad_engine(bad: _BadRuns) -> tuple[LLMEngine, PluginHost]:
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
+    host.register(bad, "badruns")
+    host.load()
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="badruns", max_batch_size=4, plugin_host=host,
+                             decode_run_ms=RUN_MS)
+    return e, host
+
+
+@pytest.mark.parametrize("mode", ["raise", "garbage"])
+def test_a_decoder_whose_run_fails_at_admission_is_declined(mode: str) -> None:
+    # The engine's probe scenario runs a greedy run on a decoder that offers it (decoding/conformance.py).
+    e, host = _bad_engine(_BadRuns(mode, fail_at=1))
+    assert e.stats().decoder == "torch"
+    why = {d["label"]: d["reason"] for d in e.decoder_choice.declined}
+    assert ("aborted mid-run" if mode == "raise" else "is not 1 to") in why["badruns@cpu"], why
+
+
+@pytest.mark.parametrize("mode", ["raise", "garbage"])
+def test_a_run_failing_while_serving_fails_over_and_loses_no_request(mode: str) -> None:
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    reqs = {str(i): (p, sp) for i, p in enumerate(PROMPTS)}
+    ref, _ = _drive(_engine(0.0, "torch"), reqs)
+    bad = _BadRuns(mode, fail_at=2)  # the first run is the admission probe's
+    e, host = _bad_engine(bad)
+    assert e.stats().decoder == "badruns@cpu", e.decoder_choice
+    e._run.observe(1.0)
+    got, _ = _drive(e, reqs)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    assert bad.runs == 2 and e.stats().decoder == "torch" and e.stats().decoder_failovers == 1
+    fault = host.last_fault("badruns")
+    assert fault is not None and fault.hook == "decoder.step" and "greedy_steps" in fault.reason
+    assert ("aborted mid-run" if mode == "raise" else "is not 1 to") in fault.reason
