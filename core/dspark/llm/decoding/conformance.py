@@ -3,7 +3,9 @@ probe step, the plugins' tests and third-party plugin authors.
 
 The scenario mixes what the engine sends: two prompts prefilled in one step (one of them in two
 chunks), batched decode steps, and a verified draft (every row's logits) with a rollback after it,
-then one sequence freed and a new one started beside the other. The decoder is driven through the
+then one sequence freed and a new one started beside the other, and a greedy run of both (several
+decode steps in one call, API 1.13, where the decoder offers it; one step per token otherwise, fed the
+reference's tokens). The decoder is driven through the
 engine's own :class:`~dspark.llm.decoding.runner.DecoderRunner` (failover off), so a per-sequence
 decoder (API 1.8) sees the drops and ids the engine sends. The reference runs first and its logits
 are recorded (:func:`record`), so the engine can let go of the reference's weights before the
@@ -49,7 +51,7 @@ class Transcript:
 
 
 def record(runner: ModelRunner, block_size: int, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),
-           decode_steps: int = 6, draft: int = 8, num_blocks: int = 64) -> Transcript:
+           decode_steps: int = 6, draft: int = 8, num_blocks: int = 64, run: int = 5) -> Transcript:
     """Run the scenario on ``runner`` (the torch reference) alone, greedy tokens from its own logits."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.cfg.vocab_size
@@ -79,8 +81,33 @@ def record(runner: ModelRunner, block_size: int, *, seed: int = 0, prompt_lens: 
     out = step([SeqChunk("a", [int(out[0][0].argmax())])])
     edit("free", "b")  # "b" finishes; "c" starts beside "a" (a per-sequence decoder is told to drop "b")
     c = torch.randint(4, vocab, (prompt_lens[0],), generator=g).tolist()
-    step([SeqChunk("a", [int(out[0].argmax())]), SeqChunk("c", c)])
+    out = step([SeqChunk("a", [int(out[0].argmax())]), SeqChunk("c", c)])
+    _record_run(runner, ref, events, [("a", int(out[0].argmax())), ("c", int(out[1].argmax()))], run)
     return Transcript(block_size, events)
+
+
+def _record_run(runner: ModelRunner, ref: Any, events: list[tuple[Any, ...]], last: list[tuple[str, int]],
+                run: int) -> None:
+    """A greedy run (what ``greedy_steps``, API 1.13, computes): the first sequence decodes ``run`` tokens,
+    the second stops at its second token (given as a stop token), then one step continues both. Recorded as
+    ("run", first chunks, limits, stop ids, each sequence's tokens, the next step's chunks and logits)."""
+    toks: list[list[int]] = [[], []]
+    feed = [t for _, t in last]
+    for j in range(run):
+        live = [i for i in range(2) if i == 0 or j < 2]
+        got = runner.step(ref, [SeqChunk(last[i][0], [feed[i]]) for i in live])
+        for i, o in zip(live, got):
+            feed[i] = int(o.argmax())
+            toks[i].append(feed[i])
+    stop = frozenset({toks[1][1]} if toks[1][1] != toks[1][0] else {toks[1][0]})
+    for i in range(2):  # every sequence's run ends at its first stop token (the set is shared)
+        k = next((j for j, t in enumerate(toks[i]) if t in stop), len(toks[i]) - 1)
+        if k < len(toks[i]) - 1:
+            ref.truncate(last[i][0], len(toks[i]) - 1 - k)
+            del toks[i][k + 1:]
+    nxt = [SeqChunk(last[i][0], [toks[i][-1]]) for i in range(2)]
+    want = [w.float().clone() for w in runner.step(ref, nxt)]
+    events.append(("run", [SeqChunk(sid, [t]) for sid, t in last], [run, 2], stop, toks, nxt, want))
 
 
 def replay(decoder: CompiledDecoder | SequenceDecoder, transcript: Transcript, cfg: ModelConfig,
@@ -92,10 +119,29 @@ def replay(decoder: CompiledDecoder | SequenceDecoder, transcript: Transcript, c
     mine = driver.make_cache(num_blocks, transcript.block_size)
     worst, rows, flips = 0.0, 0, 0
     for kind, *args in transcript.events:
-        if kind != "step":
+        if kind == "run":
+            first, limits, stop, toks, chunks, want = args
+            if driver.offers_greedy_steps():
+                got_toks = driver.greedy_steps(mine, first, limits, stop)
+                assert got_toks is not None
+                for w_t, g_t in zip(toks, got_toks, strict=True):  # a token differing ends the comparison
+                    same = next((j for j, (x, y) in enumerate(zip(w_t, g_t)) if x != y), min(len(w_t), len(g_t)))
+                    rows += same + (1 if same < max(len(w_t), len(g_t)) else 0)
+                    flips += int(g_t != w_t)
+                if got_toks != toks:
+                    continue
+            else:  # one step per token, fed the reference's
+                for i, ch in enumerate(first):
+                    fed = [*ch.token_ids, *toks[i][:-1]]
+                    for j, t in enumerate(fed):
+                        o = _as_tensor(driver.step(mine, [SeqChunk(ch.seq_id, [t])])[0]).float()
+                        rows += 1
+                        flips += int(int(o.argmax()) != toks[i][j])
+        elif kind != "step":
             getattr(mine, kind)(*args)
             continue
-        chunks, want = args
+        else:
+            chunks, want = args
         got = [_as_tensor(o).float() for o in driver.step(mine, chunks)]
         for w, o in zip(want, got, strict=True):
             w2, o2 = w.reshape(-1, cfg.vocab_size), o.reshape(-1, cfg.vocab_size)
