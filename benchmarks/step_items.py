@@ -3,11 +3,13 @@
 Usage: .venv/bin/python benchmarks/step_items.py FILE_OR_CHECKPOINT [--batch 1] [--decoder llamacpp] [--new 128]
 
 Runs ``--batch`` requests of 96 prompt tokens and ``--new`` greedy tokens each through ``LLMEngine`` (three
-runs after a warm-up) and prints, per step and as the median of the runs, the wall time and the time inside
+runs after a warm-up) and prints, per decode step (per token of a sequence: a greedy run of several steps in
+one decoder call, plugin API 1.13, counts as its steps) and as the median of the runs, the wall time and the time inside
 each wrapped piece: the scheduler, building the step's chunks, the runner (the plugin's compiled step, the
 watchdog's thread hand-off around it, building the batch, splitting the logits), sampling, appending tokens
 with the stop checks and detokenizing, and building the outputs. Pieces nest (``runner.step`` holds
-``thread+step``, which holds ``compiled.step``); each wrapper adds about a microsecond. A decoder that
+``thread+step``, which holds ``compiled.step``; ``runner.greedy_steps`` holds ``compiled.greedy_steps``); each
+wrapper adds about a microsecond. A decoder that
 offers ``cancel`` (plugin API 1.11) steps on the engine's thread: it has no ``thread+step``.
 """
 
@@ -59,6 +61,9 @@ def main() -> None:
         wrap(obj, name, label)
     if getattr(e.runner, "current", None) is not None and e.runner.current.compiled is not None:
         wrap(e.runner.current.compiled, "step", "compiled.step")
+        if hasattr(e.runner.current.compiled, "greedy_steps"):  # greedy runs (plugin API 1.13)
+            wrap(e.runner, "greedy_steps", "runner.greedy_steps")
+            wrap(e.runner.current.compiled, "greedy_steps", "compiled.greedy_steps")
     prompt = list(range(5, 101))
 
     def run(new: int) -> tuple[float, int]:
@@ -73,15 +78,18 @@ def main() -> None:
 
     run(8)
     per: dict[str, list[float]] = {}
+    n_steps = []
     for _ in range(3):
         acc.clear()
         wall, steps = run(args.new)
+        n_steps.append(steps)
         for k, v in acc.items():
-            per.setdefault(k, []).append(v / steps * 1e3)
-        per.setdefault("wall", []).append(wall / steps * 1e3)
-    print(f"{e.stats().decoder}, {b} at once, {args.new} new tokens: ms per step (median of 3 runs)")
+            per.setdefault(k, []).append(v / args.new * 1e3)
+        per.setdefault("wall", []).append(wall / args.new * 1e3)
+    print(f"{e.stats().decoder}, {b} at once, {args.new} new tokens in {statistics.median(n_steps):.0f} engine steps "
+          f"(a greedy run is one): ms per token of a sequence, i.e. per decode step (median of 3 runs)")
     for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
-        print(f"  {k:16s} {statistics.median(v):.3f}")
+        print(f"  {k:22s} {statistics.median(v):.4f}")
 
 
 if __name__ == "__main__":

@@ -159,8 +159,8 @@ def child_dspark_single(spec: dict[str, Any]) -> dict[str, Any]:
     e = LLMEngine.from_model(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
     load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec["new"], temperature=0, ignore_eos=True)
-    e.add_request("warm", spec["warm"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    while e.has_unfinished():  # untimed: first-touch of buffers
+    e.add_request("warm", spec["warm"], params)
+    while e.has_unfinished():  # untimed, the warm-up llama.cpp alone gets: first-touch of buffers
         e.step()
     times, outs = [], []
     for i, p in enumerate(spec["prompts"]):
