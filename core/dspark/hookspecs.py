@@ -27,7 +27,7 @@ carries Gemma's output norms. API 1.11 lets a compiled decoder offer ``cancel()`
 run on the engine's own thread, a watchdog cancelling one that passes its deadline, instead of on a
 watchdog thread. API 1.12 hands a decoder the model's weights in the precision the engine holds
 them (``DecoderSpec.weights(stored=True)``), so no float32 copy of a half-precision model is made.
-API 1.13 lets a decoder that keeps its KV per sequence offer ``greedy_steps``: several greedy decode
+API 1.13 lets a compiled decoder offer ``greedy_steps``: several greedy decode
 steps in one call, the engine's own work paid once per run instead of once per token.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's

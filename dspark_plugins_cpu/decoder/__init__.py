@@ -17,6 +17,7 @@ blocks (:mod:`.gathered`): any block size, float32 KV.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -183,6 +184,29 @@ class OpenVINODecoder:
             if self._unpacked and req is self.request:
                 self._packed(batch)
             return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+
+    def greedy_steps(self, kv: list[tuple[Any, Any]], batch: StepBatch, limits: np.ndarray,
+                     stop_ids: frozenset[int]) -> np.ndarray:
+        """Several greedy decode steps in one call (API 1.13), one row per sequence each step: every sequence
+        runs as many steps as the first to end (its limit, or a token of ``stop_ids``), so the step keeps its
+        shape and OpenVINO prepares nothing again. A range short of the head, an early exit or LongRoPE's
+        long rows run one step."""
+        out = np.full((len(limits), int(limits.max())), -1, np.int64)
+        whole = self.spec.layers[0] == 0 and self.spec.last and batch.exit_layer is None
+        steps = int(limits.min()) if whole and batch.rope_positions is None else 1
+        stops = np.fromiter(stop_ids, np.int64, len(stop_ids))
+        bs, vocab = self.block_size, self.spec.vocab_size
+        first_block = batch.block_indices_begins[:-1]
+        for s in range(steps):
+            nxt = self.step(kv, batch)[:, :vocab].argmax(1)
+            out[:, s] = nxt
+            if s + 1 == steps or (len(stops) and bool(np.isin(nxt, stops).any())):
+                break
+            pos = batch.positions + 1
+            slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
+            batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1, slot_mapping=slots,
+                            max_context_len=batch.max_context_len + 1)
+        return out
 
     def _feed(self, req: Any, name: str, value: np.ndarray) -> None:
         """``value`` into input ``name`` of ``req``. Each input is bound once to an array of this decoder's that

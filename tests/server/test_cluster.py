@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -171,10 +171,12 @@ def test_soak_two_replicas_disconnects_lose_nothing_and_free_every_kv_page(serve
     assert s.num_requests == n and s.failed == 0, (s.errors, s.error_samples)
     assert s.completed + s.disconnected == n
     for r, k in zip(res.results, plan, strict=True):
-        if k is None:
-            assert r.ok and r.finish_reason == "length" and r.output_tokens == r.max_tokens, r
-        else:
+        if k is not None and (k == 0 or r.disconnected):  # hung up after k chunks (0: right after the headers)
             assert r.disconnected and r.chunks == k, r
+        else:  # not planned to, or the stream ended in fewer chunks (greedy runs stream several tokens a chunk)
+            assert r.ok and r.finish_reason == "length" and r.output_tokens == r.max_tokens, r
+            assert k is None or r.chunks < k, r
+    assert s.disconnected > 0
     wait_for(lambda: idle(served), 30, "every replica idle with no KV page held")
     aborts = sum(scrape(e).value("dspark_requests_finished_total", 0.0, finish_reason="abort")
                  for e in replicas(served))
@@ -229,9 +231,11 @@ def _kill_one_replica_under_load(served: ServerHandle, seed: int) -> tuple[Any, 
     assert set(s.errors) <= {"stream_error"}, s.errors
     for r in box["res"].results:
         assert (r.ok and r.output_tokens == r.max_tokens) or r.error == "stream_error", r
-    back = wait_for(lambda: [e for e in replicas(served) if e["pid"] != victim["pid"]] if len(replicas(served)) == 2
-                    and all(e["pid"] != victim["pid"] for e in replicas(served)) else None, 120,
-                    "Ray to restart the killed replica")
+    def restarted() -> list[dict[str, Any]] | None:  # one listing read once: two reads can straddle a change
+        reps = replicas(served)
+        return reps if len(reps) == 2 and all(e["pid"] != victim["pid"] for e in reps) else None
+
+    back = wait_for(restarted, 120, "Ray to restart the killed replica")
     assert len(back) == 2
     restarted_s = time.monotonic() - killed_at
     wait_for(lambda: idle(served), 30, "both replicas idle after the kill")

@@ -219,8 +219,8 @@ class EngineConfig(BaseModel):
         "(larger number), lowest and newest first, when no batch slot or pages are left for it")
     target_step_ms: float | None = Field(None, gt=0, description="adaptive batch size target; None keeps max_batch_size fixed")
     decode_run_ms: float = Field(
-        4.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13, "
-        "llama.cpp's): while every running request is plain greedy decoding and none waits, as many steps as "
+        8.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13: "
+        "llama.cpp's, OpenVINO's): while every running request is plain greedy decoding and none waits, as many steps as "
         "fit in about this many milliseconds (at most 32), the engine's own work paid once per run; a request "
         "arriving meanwhile waits at most about this long to be admitted; 0 = one step per call")
     devices: str | None = Field(

@@ -273,6 +273,18 @@ class CompiledDecoder(Protocol):
     llama.cpp's abort callback). A decoder that offers it runs its steps on the engine's own
     thread, a watchdog calling ``cancel`` at the deadline; one that does not runs them on a
     watchdog thread that abandons a step past its deadline (two thread wake-ups each step).
+
+    Optional (API 1.13): ``greedy_steps(kv, batch, limits, stop_ids)``, several greedy decode steps
+    in one call. ``batch`` holds one decode row per sequence (in paged mode its block tables already
+    cover each sequence's length plus its limit); each step takes every sequence's argmax over the
+    model's vocabulary as its next token and feeds it the step after, until sequence ``i`` has
+    ``limits[i]`` tokens (``>= 1``) or gave a token of ``stop_ids`` (a frozenset); a decoder may end
+    any sequence's run sooner (OpenVINO's ends every sequence's with the first, keeping the step's
+    shape). Returns int64 ``[len(limits), max(limits)]``: each row's tokens in order, then -1.
+    Afterwards the cache holds each sequence's row and every token it gave but the last, as that many
+    ``step`` calls would leave it. The engine calls it only while every running request is plain
+    greedy decoding and none waits; tokens past a stop string or a finished request are discarded.
+    A call that raises or answers malformed rows is charged as a failed step.
     """
 
     block_size: int
@@ -317,17 +329,8 @@ class SequenceDecoder(Protocol):
     apply ``batch.drops``, run ``batch``'s rows, return float32 logits ``[len(batch.logit_rows),
     vocab]`` as a numpy array or CPU torch tensor. A step that raises is charged to the plugin and
     the engine moves to its next target, which recomputes the sequences from their tokens.
-    Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11).
-
-    Optional (API 1.13): ``greedy_steps(kv, batch, limits, stop_ids)``, several greedy decode steps
-    in one call. ``batch`` holds one row per sequence (apply its drops first, as ``step`` does);
-    each step takes every live sequence's argmax over the model's vocabulary as its next token and
-    feeds it the step after, until sequence ``i`` has ``limits[i]`` tokens (``>= 1``) or gave a
-    token of ``stop_ids`` (a frozenset). Returns int64 ``[len(limits), max(limits)]``: each row's
-    tokens in order, then -1. Afterwards the cache holds each sequence's row and every token it
-    gave but the last, as that many ``step`` calls would leave it. The engine calls it only while
-    every running request is plain greedy decoding and none waits; tokens past a stop string or a
-    finished request are discarded (its positions dropped). A call that raises is charged as a step.
+    Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11), and ``greedy_steps`` as there
+    (API 1.13; apply the batch's drops first, as ``step`` does).
     """
 
     kv_mode: Literal["sequence"]

@@ -1,13 +1,15 @@
 """Runs of greedy decode steps in one decoder call (plugin API 1.13, ``greedy_steps``; llm/decoding/runs.py).
 
-On llama.cpp (plugins/dspark-llamacpp), a run gives exactly the tokens, text and finish reasons of one step
-per call, however the run ends (max_tokens, a stop token, a stop string, EOS, the model's length); it is
-only taken while every running request is plain greedy decoding and none waits; a decoder whose run fails
-or answers wrongly is failed over like a failing step, and no request is lost.
+On OpenVINO (the ``cpu`` plugin, paged) and llama.cpp (plugins/dspark-llamacpp, its own KV per sequence), a
+run gives exactly the tokens, text and finish reasons of one step per call, however the run ends
+(max_tokens, a stop token, a stop string, EOS, the model's length); it is only taken while every running
+request is plain greedy decoding and none waits; a decoder whose run fails or answers wrongly is declined at
+admission or failed over like a failing step, and no request is lost.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -21,15 +23,17 @@ from dspark.llm.decoding.runs import MAX_RUN, RunLength, run_limits
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 
-dspark_llamacpp = pytest.importorskip("dspark_llamacpp", reason="the llamacpp plugin is not installed (scripts/setup.sh)")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+HAVE_LLAMACPP = all(importlib.util.find_spec(m) is not None for m in ("dspark_llamacpp", "llama_cpp"))
+needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMACPP, reason="the llamacpp plugin or llama-cpp-python is not "
+                                    "installed (scripts/setup.sh)")
+DECODERS = ["cpu", pytest.param("llamacpp", marks=needs_llamacpp)]
 
 PROMPTS = ["def main():\n    args = parse()\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n",
            "for i in range(10):\n    print(i)\nfor j in range("]
 RUN_MS = 1e6  # every run as long as MAX_RUN: the test does not depend on how fast this machine steps
 
 
-def _engine(run_ms: float, decoder: str = "llamacpp", **kw: Any) -> LLMEngine:
+def _engine(run_ms: float, decoder: str, **kw: Any) -> LLMEngine:
     e = float_engine(decoder, decode_run_ms=run_ms, **{"max_batch_size": 4, **kw})
     assert e.stats().decoder == (f"{decoder}@cpu" if decoder != "torch" else "torch"), e.decoder_choice
     return e
@@ -57,17 +61,18 @@ def _drive(e: LLMEngine, reqs: dict[str, tuple[str, SamplingParams]], late: dict
     return done, streamed
 
 
-def _first_tokens(n: int = 40) -> dict[str, list[int]]:
-    e = _engine(0.0)
+def _first_tokens(decoder: str, n: int = 40) -> dict[str, list[int]]:
+    e = _engine(0.0, decoder)
     done, _ = _drive(e, {str(i): (p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
                          for i, p in enumerate(PROMPTS)})
     return {k: v[0] for k, v in done.items()}
 
 
-def test_a_run_ends_where_one_step_at_a_time_ends() -> None:
-    plain = _first_tokens()
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_run_ends_where_one_step_at_a_time_ends(decoder: str) -> None:
+    plain = _first_tokens(decoder)
     tok = plain["0"][9]  # a token request 0 gives mid-run: its stop token
-    e0 = _engine(0.0)
+    e0 = _engine(0.0, decoder)
     text0 = e0.tokenizer.decode(plain["2"][:14])
     stop_str = text0[-4:] if text0[-4:].strip() else text0[-6:]
     reqs = {"len": (PROMPTS[0], SamplingParams(max_tokens=37, temperature=0, ignore_eos=True)),
@@ -76,7 +81,7 @@ def test_a_run_ends_where_one_step_at_a_time_ends() -> None:
             "eos": (PROMPTS[3], SamplingParams(max_tokens=40, temperature=0))}
     late = {"late": (PROMPTS[1], SamplingParams(max_tokens=29, temperature=0, ignore_eos=True))}
     ref, ref_stream = _drive(e0, reqs, late)
-    e = _engine(RUN_MS)
+    e = _engine(RUN_MS, decoder)
     e._run.observe(1.0)  # a step's time known from the start: the first decode step is already a run
     got, stream = _drive(e, reqs, late)
     assert got == ref
@@ -88,11 +93,12 @@ def test_a_run_ends_where_one_step_at_a_time_ends() -> None:
     assert e.runner.failovers == []
 
 
-def test_a_run_stops_at_the_models_length() -> None:
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_run_stops_at_the_models_length(decoder: str) -> None:
     sp = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
     outs = []
     for run_ms in (0.0, RUN_MS):
-        e = _engine(run_ms, max_model_len=48)
+        e = _engine(run_ms, decoder, max_model_len=48)
         e._run.observe(1.0)
         done, _ = _drive(e, {"a": (PROMPTS[0], sp)})
         outs.append(done["a"])
@@ -104,7 +110,7 @@ def test_requests_that_sample_or_want_logprobs_step_one_token_at_a_time() -> Non
             "lp": (PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True))}
     runs: list[Any] = []
     for run_ms in (0.0, RUN_MS):
-        e = _engine(run_ms)
+        e = _engine(run_ms, "cpu")
         e._run.observe(1.0)
         done, _ = _drive(e, reqs)
         runs.append((done, e.stats().steps))
@@ -112,7 +118,7 @@ def test_requests_that_sample_or_want_logprobs_step_one_token_at_a_time() -> Non
 
 
 def test_run_limits_take_only_plain_greedy_decodes_with_room() -> None:
-    e = _engine(RUN_MS, max_model_len=64)
+    e = _engine(RUN_MS, "cpu", max_model_len=64)
     e.add_request("a", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     planned = e.scheduler.schedule()
     assert run_limits(planned, 8, e.max_model_len) is None  # a prefill chunk
@@ -138,7 +144,7 @@ def test_run_length_fits_the_budget() -> None:
     assert RunLength(0.0).steps() == 1
 
 
-class _BadRuns:
+class _BadRuns:  # only built where llama.cpp is installed (needs_llamacpp)
     """llama.cpp's decoder whose ``greedy_steps`` raises (``mode="raise"``) or answers a token outside the
     vocabulary (``mode="garbage"``) on its ``fail_at``-th run."""
 
@@ -149,14 +155,20 @@ class _BadRuns:
 
     @hookimpl
     def dspark_probe_devices(self, refresh: bool) -> Any:
+        import dspark_llamacpp
+
         return [d.model_copy(update={"runtime": "bad-runs llama.cpp"}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
 
     @hookimpl
     def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        import dspark_llamacpp
+
         return dspark_llamacpp.dspark_decoder_bid(decoder, device)
 
     @hookimpl
     def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        import dspark_llamacpp
+
         inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
         plugin = self
 
@@ -190,6 +202,7 @@ def _bad_engine(bad: _BadRuns) -> tuple[LLMEngine, PluginHost]:
     return e, host
 
 
+@needs_llamacpp
 @pytest.mark.parametrize("mode", ["raise", "garbage"])
 def test_a_decoder_whose_run_fails_at_admission_is_declined(mode: str) -> None:
     # The engine's probe scenario runs a greedy run on a decoder that offers it (decoding/conformance.py).
@@ -199,6 +212,7 @@ def test_a_decoder_whose_run_fails_at_admission_is_declined(mode: str) -> None:
     assert ("aborted mid-run" if mode == "raise" else "is not 1 to") in why["badruns@cpu"], why
 
 
+@needs_llamacpp
 @pytest.mark.parametrize("mode", ["raise", "garbage"])
 def test_a_run_failing_while_serving_fails_over_and_loses_no_request(mode: str) -> None:
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)

@@ -121,22 +121,20 @@ def replay(decoder: CompiledDecoder | SequenceDecoder, transcript: Transcript, c
     for kind, *args in transcript.events:
         if kind == "run":
             first, limits, stop, toks, chunks, want = args
-            if driver.offers_greedy_steps():
-                got_toks = driver.greedy_steps(mine, first, limits, stop)
-                assert got_toks is not None
-                for w_t, g_t in zip(toks, got_toks, strict=True):  # a token differing ends the comparison
-                    same = next((j for j, (x, y) in enumerate(zip(w_t, g_t)) if x != y), min(len(w_t), len(g_t)))
-                    rows += same + (1 if same < max(len(w_t), len(g_t)) else 0)
-                    flips += int(g_t != w_t)
-                if got_toks != toks:
-                    continue
-            else:  # one step per token, fed the reference's
-                for i, ch in enumerate(first):
-                    fed = [*ch.token_ids, *toks[i][:-1]]
-                    for j, t in enumerate(fed):
-                        o = _as_tensor(driver.step(mine, [SeqChunk(ch.seq_id, [t])])[0]).float()
-                        rows += 1
-                        flips += int(int(o.argmax()) != toks[i][j])
+            got_toks = driver.greedy_steps(mine, first, limits, stop) if driver.offers_greedy_steps() else None
+            have = got_toks or [[] for _ in first]
+            if got_toks is not None:  # a run may end a sequence sooner than asked: its tokens lead the reference's
+                for w_t, g_t in zip(toks, got_toks, strict=True):
+                    rows += len(g_t)
+                    flips += int(g_t != w_t[: len(g_t)])
+                if any(g_t != w_t[: len(g_t)] for w_t, g_t in zip(toks, got_toks)):
+                    continue  # the caches went apart: nothing after compares
+            for i, ch in enumerate(first):  # what the run did not give, one step per token, fed the reference's
+                fed = [*ch.token_ids, *toks[i][:-1]]
+                for j in range(len(have[i]), len(toks[i])):
+                    o = _as_tensor(driver.step(mine, [SeqChunk(ch.seq_id, [fed[j]])])[0]).float()
+                    rows += 1
+                    flips += int(int(o.argmax()) != toks[i][j])
         elif kind != "step":
             getattr(mine, kind)(*args)
             continue

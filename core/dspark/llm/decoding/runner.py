@@ -282,8 +282,12 @@ class DecoderRunner:
 
     # -- several greedy steps in one call (API 1.13) ----------------------------------------------
     def offers_greedy_steps(self) -> bool:
+        """The current target runs greedy runs (API 1.13); a paged one not while LongRoPE may switch modes
+        mid-run (its long rows are the engine's to lay out)."""
         t = self.current
-        return t.compiled is not None and t.keeps_kv and hasattr(t.compiled, "greedy_steps")
+        if t.compiled is None or not hasattr(t.compiled, "greedy_steps"):
+            return False
+        return t.keeps_kv or getattr(self.reference, "longrope_orig", None) is None
 
     def greedy_steps(self, cache: PagedKVCache, chunks: list[SeqChunk], limits: list[int],
                      stop_ids: frozenset[int]) -> list[list[int]] | None:
@@ -310,9 +314,10 @@ class DecoderRunner:
                     lim -= 1
                 cache.reserve(ch.seq_id, s + lim)
                 lims.append(lim)
-            batch = build_seq_batch(cache, kv, chunks)
+            keeps = target.keeps_kv
+            batch = build_seq_batch(cache, kv, chunks) if keeps else build_batch(cache, chunks)
             try:
-                raw = self._call_step(target, kv.store, batch, np.asarray(lims, np.int64), stop_ids,
+                raw = self._call_step(target, kv.store if keeps else kv, batch, np.asarray(lims, np.int64), stop_ids,
                                       method="greedy_steps")
                 toks = _greedy_tokens(raw, lims, self.reference.cfg.vocab_size)
             except Exception as exc:
@@ -327,7 +332,8 @@ class DecoderRunner:
             for ch in fed:
                 cache.set_len(ch.seq_id, cache.seq_lens.get(ch.seq_id, 0) + len(ch.token_ids))
                 cache.truncate(ch.seq_id, 0)
-            kv.advanced(fed, cache)
+            if keeps:
+                kv.advanced(fed, cache)
             return toks
 
     @staticmethod
