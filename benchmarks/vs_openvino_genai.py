@@ -72,8 +72,9 @@ the torch runner being one contender); what the engine chose, and why, is
 printed and recorded. A plugin decoder runs at the precision it supports for
 the engine's dtype (the OpenVINO plugin's follows it); ``--decoder torch``
 pins dspark to its own torch runner at ``--precision``.
-dspark's per-step host and forward time (EngineStats ``host_ms_per_step`` /
-``forward_ms_per_step``, means over the timed passes only) are reported per row.
+dspark's host and forward time per decoder step (EngineStats ``host_ms_per_step`` /
+``forward_ms_per_step`` over ``forward_steps``: a greedy run of several steps in one decoder call counts
+its steps; means over the timed passes only) are reported per row.
 
 ``--quick`` (a smoke test of the script, not a measurement): one prompt per
 one-at-a-time workload with 8 new tokens, the batches with 4, spec with 1 code
@@ -183,13 +184,15 @@ def child_dspark(spec: dict[str, Any], contender: str) -> dict[str, Any]:
     choice = getattr(llm.engine, "decoder_choice", None)
     info["decoder"] = choice.to_dict() if hasattr(choice, "to_dict") else (str(choice) if choice else "torch")
     # Per-step host and forward time over the timed passes only (the stats are means over every step so far).
+    # Per decoder step: a greedy run (several steps in one decoder call) counts its steps (forward_steps).
     if getattr(after, "host_ms_per_step", None) is not None and getattr(after, "steps", None) is not None:
         steps = after.steps - before.steps
-        info["steps"] = steps
-        if steps > 0:
+        fsteps = getattr(after, "forward_steps", after.steps) - getattr(before, "forward_steps", before.steps)
+        info["steps"], info["forward_steps"] = steps, fsteps
+        if steps > 0 and fsteps > 0:
             for f in ("host_ms_per_step", "forward_ms_per_step"):
                 if getattr(after, f, None) is not None:
-                    info[f] = (getattr(after, f) * after.steps - getattr(before, f) * before.steps) / steps
+                    info[f] = (getattr(after, f) * after.steps - getattr(before, f) * before.steps) / fsteps
     if getattr(after, "decoder", None) is not None:
         info["decoder_running"] = after.decoder
         info["decoder_failovers"] = getattr(after, "decoder_failovers", 0)
@@ -576,7 +579,7 @@ def main() -> None:
           f"{args.threads} thread(s), {args.rounds} round(s) x {reps} pass(es)"
           f"{'  [QUICK: smoke test, not a measurement]' if args.quick else ''}\n")
     print("| workload | weights | requests | new tokens | dspark | tok/s | peer | tok/s | dspark / peer "
-          "| ids agree (requests; tokens) |" + (" dspark host / forward ms per step |" if any_host else ""))
+          "| ids agree (requests; tokens) |" + (" dspark host / forward ms per decoder step |" if any_host else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if any_host else ""))
     for r in rows:
         m = meta[r["workload"]]

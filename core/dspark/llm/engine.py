@@ -57,6 +57,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._default_gen = parts.default_gen
         self._steps, self._step_ms, self._forward_ms = 0, 0.0, 0.0  # where step time goes (stats())
+        self._forward_steps = 0  # the decoder's forward passes: a greedy run of n steps counts n
         self._run = RunLength(self.config.decode_run_ms)  # greedy steps per decoder call (decoding/runs.py)
         self.load_seconds = parts.load_seconds
         ref = getattr(self.runner, "reference", self.runner)
@@ -209,6 +210,7 @@ class LLMEngine:
                     spec.release(seq.request_id)
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
+        self._forward_steps += 1
         if spec is not None and prop is not None:
             spec.end_step(prop, step_ms)
         self.scheduler.record_step(step_ms)
@@ -239,6 +241,7 @@ class LLMEngine:
                 del self._seqs[seq.request_id]
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
+        self._forward_steps += steps
         self.scheduler.record_step(step_ms / steps)  # the batch limit adapts to a step's time, not a run's
         return outputs
 
@@ -400,7 +403,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
             effective_max_batch=self.scheduler.effective_max_batch, steps=self._steps,
             forward_ms_per_step=self._forward_ms / max(1, self._steps),
-            host_ms_per_step=(self._step_ms - self._forward_ms) / max(1, self._steps),
+            host_ms_per_step=(self._step_ms - self._forward_ms) / max(1, self._steps), forward_steps=self._forward_steps,
             decoder=getattr(getattr(self.runner, "current", None), "label", "torch"),
             decoder_failovers=len(getattr(self.runner, "failovers", ())),
             **(self.spec.stats() if self.spec is not None else {}),

@@ -70,9 +70,12 @@ class EngineStats:
     spec_drafters: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, per drafter
     # Where a step's time goes: the decoder's forward, and the engine's own host work around it
     # (scheduling, block tables, drafting, sampling, stop checks, outputs); means over every step so far.
+    # A greedy run (several decode steps in one decoder call) is one engine step; ``forward_steps`` counts
+    # the decoder's forward passes, a run of n counting n.
     steps: int = 0
     forward_ms_per_step: float = 0.0
     host_ms_per_step: float = 0.0
+    forward_steps: int = 0
     decoder: str = "torch"  # what runs the decoder now ("cpu@cpu", "torch", ...)
     decoder_failovers: int = 0
 
