@@ -292,9 +292,10 @@ class DecoderRunner:
     def greedy_steps(self, cache: PagedKVCache, chunks: list[SeqChunk], limits: list[int],
                      stop_ids: frozenset[int]) -> list[list[int]] | None:
         """Greedy decoding of up to ``limits[i]`` tokens for decode chunk ``i`` (one token each) in one call to
-        the current target (:meth:`SequenceDecoder.greedy_steps`), the cache moved as that many steps move it.
-        Returns each chunk's tokens; None when the target offers no such call, or failed (it is then failed
-        over, and the caller runs a plain step). A run the pages cannot hold is shortened to what they hold."""
+        the current target (its ``greedy_steps``), the cache moved as that many steps move it. Returns each
+        chunk's tokens; None when the target offers no such call, or failed (it is then failed over): the
+        caller runs a plain step. A run the pages cannot hold is shortened to what they hold (a decoder that
+        cannot run more steps now returns one)."""
         if not self.observers:
             return self._greedy_steps(cache, chunks, limits, stop_ids)
         with self.observers.timed("forward"):

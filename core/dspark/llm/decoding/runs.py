@@ -1,11 +1,11 @@
 """Runs of greedy decode steps in one call to the decoder (plugin API 1.13, ``greedy_steps``).
 
-A decode step of a small model on a whole-model runtime is short, and the engine's own work around
-it (scheduling, the batch, sampling, stop checks, outputs) is a sizeable share of it
-(docs/benchmarks.md, "llama.cpp"). While every running request is plain greedy decoding and nothing waits to be admitted, the
-decoder can take its own argmax and feed it back for several steps; the engine's work is then paid once
-per run (vLLM's multi-step scheduling). The run's length is bounded in time, not in steps: a request
-that arrives during a run waits at most about ``EngineConfig.decode_run_ms`` longer to be admitted.
+A decode step of a small model is short, and the engine's own work around it (scheduling, the batch,
+sampling, stop checks, outputs) is a sizeable share of it (docs/benchmarks.md). While every running
+request is plain greedy decoding and nothing waits to be admitted, the decoder can take its own argmax
+and feed it back for several steps; the engine's work is then paid once per run (vLLM's multi-step
+scheduling). The run's length is bounded in time, not in steps: a request that arrives during a run
+waits at most about ``EngineConfig.decode_run_ms`` longer to be admitted.
 """
 
 from __future__ import annotations
