@@ -105,3 +105,54 @@ class Faulty(Renamed):
             else:
                 raise RuntimeError("device lost")
         return inner.step(kv, batch)
+
+
+class LlamacppWrapped:
+    """llama.cpp's decoder (plugins/dspark-llamacpp) under another runtime name (``RUNTIME``); subclasses change
+    what a step does (``_step``), and with ``RUNS`` the decoder offers greedy runs (API 1.13, ``_greedy_steps``).
+    Built only where the plugin is installed."""
+
+    DSPARK_API_VERSION = "1.13"
+    RUNTIME = "wrapped llama.cpp"
+    RUNS = False
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        import dspark_llamacpp
+
+        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        import dspark_llamacpp
+
+        return dspark_llamacpp.dspark_decoder_bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        import dspark_llamacpp
+
+        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
+        plugin = self
+
+        class Wrapped:
+            kv_mode = "sequence"
+
+            def allocate(self, n: int, seqs: int) -> Any:
+                return inner.allocate(n, seqs)
+
+            def step(self, kv: Any, batch: Any) -> Any:
+                return plugin._step(inner, kv, batch)
+
+        class Running(Wrapped):
+            def greedy_steps(self, kv: Any, batch: Any, limits: Any, stop_ids: frozenset[int]) -> Any:
+                return plugin._greedy_steps(inner, kv, batch, limits, stop_ids)
+
+        return Running() if self.RUNS else Wrapped()
+
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        return inner.step(kv, batch)
+
+    def _greedy_steps(self, inner: Any, kv: Any, batch: Any, limits: Any, stop_ids: frozenset[int]) -> Any:
+        return inner.greedy_steps(kv, batch, limits, stop_ids)
+

@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from decoder_testutil import MODEL, float_engine
+from decoder_testutil import MODEL, LlamacppWrapped, float_engine
 
-from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.decoding.runs import MAX_RUN, RunLength, run_limits
@@ -145,53 +144,24 @@ def test_run_length_fits_the_budget() -> None:
     assert RunLength(0.0).steps() == 1
 
 
-class _BadRuns:  # only built where llama.cpp is installed (needs_llamacpp)
-    """llama.cpp's decoder whose ``greedy_steps`` raises (``mode="raise"``) or answers a token outside the
-    vocabulary (``mode="garbage"``) on its ``fail_at``-th run."""
+class _BadRuns(LlamacppWrapped):
+    """llama.cpp's decoder whose greedy run raises (``mode="raise"``) or answers a token outside the vocabulary
+    (``mode="garbage"``) on its ``fail_at``-th run."""
 
-    DSPARK_API_VERSION = "1.13"
+    RUNTIME = "bad-runs llama.cpp"
+    RUNS = True
 
     def __init__(self, mode: str, fail_at: int) -> None:
         self.mode, self.fail_at, self.runs = mode, fail_at, 0
 
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
-        import dspark_llamacpp
-
-        return [d.model_copy(update={"runtime": "bad-runs llama.cpp"}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
-
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-        import dspark_llamacpp
-
-        return dspark_llamacpp.dspark_decoder_bid(decoder, device)
-
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        import dspark_llamacpp
-
-        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
-        plugin = self
-
-        class Bad:
-            kv_mode = "sequence"
-
-            def allocate(self, n: int, seqs: int) -> Any:
-                return inner.allocate(n, seqs)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                return inner.step(kv, batch)
-
-            def greedy_steps(self, kv: Any, batch: Any, limits: np.ndarray, stop_ids: frozenset[int]) -> Any:
-                plugin.runs += 1
-                out = inner.greedy_steps(kv, batch, limits, stop_ids)
-                if plugin.runs == plugin.fail_at:
-                    if plugin.mode == "raise":
-                        raise RuntimeError("llama.cpp aborted mid-run")
-                    out[0, 0] = 10**6
-                return out
-
-        return Bad()
+    def _greedy_steps(self, inner: Any, kv: Any, batch: Any, limits: np.ndarray, stop_ids: frozenset[int]) -> Any:
+        self.runs += 1
+        out = inner.greedy_steps(kv, batch, limits, stop_ids)
+        if self.runs == self.fail_at:
+            if self.mode == "raise":
+                raise RuntimeError("llama.cpp aborted mid-run")
+            out[0, 0] = 10**6
+        return out
 
 
 def _bad_engine(bad: _BadRuns) -> tuple[LLMEngine, PluginHost]:

@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from decoder_testutil import MODEL, PROMPTS, float_engine, greedy, run_prompts
+from decoder_testutil import MODEL, PROMPTS, LlamacppWrapped, float_engine, greedy, run_prompts
 
-from dspark.hookspecs import hookimpl
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.engine import LLMEngine
@@ -102,46 +101,25 @@ def test_logprobs_sampling_penalties_and_structured_output_on_llamacpp() -> None
     assert got["4"].text in ("yes", "no")
 
 
-class _Faulty:
+class _Faulty(LlamacppWrapped):
     """llama.cpp's decoder, failing at its ``fail_at``-th step (a runtime that dies while serving)."""
 
-    DSPARK_API_VERSION = "1.8"
+    RUNTIME = "faulty llama.cpp"
 
     def __init__(self, fail_at: int) -> None:
         self.fail_at, self.steps = fail_at, 0
 
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
-        return [d.model_copy(update={"runtime": "faulty llama.cpp"}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
-
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
-        return dspark_llamacpp.dspark_decoder_bid(decoder, device)
-
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
-        plugin = self
-
-        class Faulty:
-            kv_mode = "sequence"
-
-            def allocate(self, n: int, seqs: int) -> Any:
-                return inner.allocate(n, seqs)
-
-            def step(self, kv: Any, batch: Any) -> Any:
-                plugin.steps += 1
-                if plugin.steps == plugin.fail_at:
-                    raise RuntimeError("llama.cpp aborted")
-                return inner.step(kv, batch)
-
-        return Faulty()
+    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("llama.cpp aborted")
+        return inner.step(kv, batch)
 
 
 def test_a_failing_llamacpp_decoder_moves_to_torch_and_loses_no_request() -> None:
     ref = _run(_engine("torch", max_batch_size=8), _greedy(20))
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
-    faulty = _Faulty(fail_at=20)  # the probe scenario takes 8 steps: this is mid-serving
+    faulty = _Faulty(fail_at=20)  # the probe scenario takes 15 steps: this is mid-serving
     host.register(faulty, "faulty")
     host.load()
     e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty", max_batch_size=8, plugin_host=host)
