@@ -36,7 +36,38 @@ def greedy(n: int = 24) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in PROMPTS]
 
 
-class Renamed:
+class _Renaming:
+    """A real plugin's decoder under another runtime name (``RUNTIME``): its devices (``_devices``), bids
+    (``_bid``) and compiled decoders (``_compile``), each decoder wrapped by ``_wrap``."""
+
+    RUNTIME = "renamed"
+
+    @hookimpl
+    def dspark_probe_devices(self, refresh: bool) -> Any:
+        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in self._devices(refresh)]
+
+    @hookimpl
+    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+        return self._bid(decoder, device)
+
+    @hookimpl
+    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+        return self._wrap(self._compile(decoder, device))
+
+    def _devices(self, refresh: bool) -> list[Any]:
+        raise NotImplementedError
+
+    def _bid(self, decoder: Any, device: Any) -> Any:
+        raise NotImplementedError
+
+    def _compile(self, decoder: Any, device: Any) -> Any:
+        raise NotImplementedError
+
+    def _wrap(self, inner: Any) -> Any:
+        raise NotImplementedError
+
+
+class Renamed(_Renaming):
     """OpenVINO's decoder (the cpu plugin's) under another name (``RUNTIME``); subclasses change what a step and
     an allocation do (``_step``, ``_allocate``), and with ``CANCELS`` the decoder offers ``cancel`` (``_cancel``)."""
 
@@ -45,23 +76,22 @@ class Renamed:
     CANCELS = False
     steps = 0
 
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
+    def _devices(self, refresh: bool) -> list[Any]:
         from dspark_plugins_cpu import probe as ov_probe
 
-        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in ov_probe.probe(refresh) if d.id == "cpu"]
+        return [d for d in ov_probe.probe(refresh) if d.id == "cpu"]
 
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+    def _bid(self, decoder: Any, device: Any) -> Any:
         from dspark_plugins_cpu import decoder as ov_decoder
 
         return ov_decoder.decoder_bid(decoder, device)
 
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+    def _compile(self, decoder: Any, device: Any) -> Any:
         from dspark_plugins_cpu import decoder as ov_decoder
 
-        inner = ov_decoder.compile_decoder(decoder, device)
+        return ov_decoder.compile_decoder(decoder, device)
+
+    def _wrap(self, inner: Any) -> Any:
         plugin = self
 
         class Wrapped:
@@ -107,7 +137,7 @@ class Faulty(Renamed):
         return inner.step(kv, batch)
 
 
-class LlamacppWrapped:
+class LlamacppWrapped(_Renaming):
     """llama.cpp's decoder (plugins/dspark-llamacpp) under another runtime name (``RUNTIME``); subclasses change
     what a step does (``_step``), and with ``RUNS`` the decoder offers greedy runs (API 1.13, ``_greedy_steps``).
     Built only where the plugin is installed."""
@@ -116,23 +146,22 @@ class LlamacppWrapped:
     RUNTIME = "wrapped llama.cpp"
     RUNS = False
 
-    @hookimpl
-    def dspark_probe_devices(self, refresh: bool) -> Any:
+    def _devices(self, refresh: bool) -> list[Any]:
         import dspark_llamacpp
 
-        return [d.model_copy(update={"runtime": self.RUNTIME}) for d in dspark_llamacpp.dspark_probe_devices(refresh)]
+        return list(dspark_llamacpp.dspark_probe_devices(refresh))
 
-    @hookimpl
-    def dspark_decoder_bid(self, decoder: Any, device: Any) -> Any:
+    def _bid(self, decoder: Any, device: Any) -> Any:
         import dspark_llamacpp
 
         return dspark_llamacpp.dspark_decoder_bid(decoder, device)
 
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
+    def _compile(self, decoder: Any, device: Any) -> Any:
         import dspark_llamacpp
 
-        inner = dspark_llamacpp.dspark_compile_decoder(decoder, device)
+        return dspark_llamacpp.dspark_compile_decoder(decoder, device)
+
+    def _wrap(self, inner: Any) -> Any:
         plugin = self
 
         class Wrapped:
