@@ -93,6 +93,17 @@ def test_a_run_ends_where_one_step_at_a_time_ends(decoder: str) -> None:
     assert e.runner.failovers == []
 
 
+def test_observers_see_each_step_of_a_run() -> None:
+    # The server's step histogram (dspark_partition_latency_seconds) is told each step, a run's steps their share.
+    e = _engine(RUN_MS, "cpu")
+    seen: list[tuple[str, float]] = []
+    e.observe(lambda work, seconds: seen.append((work, seconds)))
+    e._run.observe(1.0)
+    _drive(e, {"a": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})
+    s = e.stats()
+    assert s.steps < s.forward_steps == len(seen) and {w for w, _ in seen} == {"forward"}
+
+
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_a_run_stops_at_the_models_length(decoder: str) -> None:
     sp = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)

@@ -298,8 +298,13 @@ class DecoderRunner:
         cannot run more steps now returns one)."""
         if not self.observers:
             return self._greedy_steps(cache, chunks, limits, stop_ids)
-        with self.observers.timed("forward"):
-            return self._greedy_steps(cache, chunks, limits, stop_ids)
+        t0 = time.perf_counter()
+        toks: list[list[int]] | None = None
+        try:
+            toks = self._greedy_steps(cache, chunks, limits, stop_ids)
+            return toks
+        finally:  # each step of the run its share: the observers see forward steps, as without runs
+            self.observers.report("forward", time.perf_counter() - t0, max(map(len, toks)) if toks else 1)
 
     def _greedy_steps(self, cache: PagedKVCache, chunks: list[SeqChunk], limits: list[int],
                       stop_ids: frozenset[int]) -> list[list[int]] | None:
