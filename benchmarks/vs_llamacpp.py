@@ -259,12 +259,16 @@ def _vmhwm_mb(pid: int) -> float | None:
     return None
 
 
+DECODE_RUN_MS: float | None = None  # --decode-run-ms
+
+
 def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) -> tuple[subprocess.Popen[bytes], int, str]:
     port = _free_port()
     if kind == "dspark":
         cfg = {"model": {"path": file, "name": "m"}, "server": {"host": "127.0.0.1", "port": port},
                "engine": {"max_total_tokens": 8192, "max_model_len": 1024, "decoder": "auto",
-                          "continuous_batching": {"max_batch_size": batch},
+                          "continuous_batching": {"max_batch_size": batch,
+                                                  **({} if DECODE_RUN_MS is None else {"decode_run_ms": DECODE_RUN_MS})},
                           "speculative_decoding": {"enabled": spec}},
                "resources": {"cpu_cores_per_worker": threads, "enable_metrics": False},
                "observability": {"stats_log_interval_s": 0, "access_log": False}}
@@ -375,6 +379,8 @@ def main() -> None:
     ap.add_argument("--only", default="single,serve8,serve32,spec,checkpoint")
     ap.add_argument("--models", default=",".join(ROWS))
     ap.add_argument("--quick", action="store_true", help="a smoke test of the script, not a measurement")
+    ap.add_argument("--decode-run-ms", type=float, default=None,
+                    help="dspark serve's engine.continuous_batching.decode_run_ms (default: the engine's; 0 = no greedy runs)")
     ap.add_argument("--child")
     ap.add_argument("--spec")
     args = ap.parse_args()
@@ -389,7 +395,8 @@ def main() -> None:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     from dspark_llamacpp.runtime import extra_bufts
 
-    global REPACK
+    global REPACK, DECODE_RUN_MS
+    DECODE_RUN_MS = args.decode_run_ms
     # llama.cpp alone loads one sequence's model as the plugin would; llama-server repacks (its default) unless
     # the plugin never does here (AMX, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.
     extra = REPACK = extra_bufts(1)

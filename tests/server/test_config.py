@@ -57,6 +57,14 @@ def test_the_seeds_file_is_accepted_and_mapped(tmp_path: Path) -> None:
     assert spec.active and spec.strategy == "deepspec"  # deepspec_v2 is an alias
     ec = cfg.engine_config()
     assert (ec.max_batch_size, ec.max_model_len, ec.max_total_tokens) == (64, 32768, 200000)
+    assert ec.decode_run_ms == 8.0  # the engine's default greedy runs
+
+
+def test_greedy_runs_are_set_from_the_config(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "engine:\n  continuous_batching:\n    decode_run_ms: 0\n"))
+    assert cfg.engine_config().decode_run_ms == 0.0
+    with pytest.raises(Exception, match="engine.continuous_batching.decode_run_ms"):
+        load_config(write(tmp_path, "engine:\n  continuous_batching:\n    decode_run_ms: -1\n"))
 
 
 def test_model_quantization_reaches_the_engine(tmp_path: Path) -> None:

@@ -61,6 +61,8 @@ class ContinuousBatching(_Section):
     kv_cache_page_size: int = Field(16, ge=1)
     preemption_policy: PreemptionPolicy = "newest_first"
     max_num_batched_tokens: int = Field(512, ge=1)
+    decode_run_ms: float = Field(8.0, ge=0, description="greedy decode steps in one decoder call while every "
+                                 "running request is plain greedy and none waits (EngineConfig.decode_run_ms); 0 = off")
 
 
 class SchedulerSection(_Section):
@@ -223,7 +225,8 @@ class ServerConfig(_Section):
         kw: dict[str, Any] = dict(
             max_batch_size=cb.max_batch_size if cb.enabled else 1, max_model_len=e.max_model_len,
             max_total_tokens=e.max_total_tokens, page_size=cb.kv_cache_page_size,
-            max_num_batched_tokens=cb.max_num_batched_tokens, scheduler_policy=e.scheduler.policy,
+            max_num_batched_tokens=cb.max_num_batched_tokens, decode_run_ms=cb.decode_run_ms,
+            scheduler_policy=e.scheduler.policy,
             preemption_policy=cb.preemption_policy, devices=e.devices, dense_offload=e.dense_offload,
             packed_linear=e.packed_linear,
         )
