@@ -267,7 +267,7 @@ class Context:
         return np.ctypeslib.as_array(C.llama_get_logits(self.ptr), shape=(rows, self.n_vocab))
 
     def greedy(self, seqs: np.ndarray, tokens: np.ndarray, positions: np.ndarray, limits: np.ndarray,
-               stops: set[int], vocab: int) -> np.ndarray:
+               stops: frozenset[int], vocab: int) -> np.ndarray:
         """Greedy decoding of several steps in one call: row ``i`` (one per sequence) appends ``tokens[i]`` at
         ``positions[i]``; each step's argmax over the first ``vocab`` logits is the sequence's next token and
         is fed the step after, until the sequence has ``limits[i]`` tokens or gave one of ``stops``. Returns
