@@ -231,6 +231,7 @@ def _kill_one_replica_under_load(served: ServerHandle, seed: int) -> tuple[Any, 
     assert set(s.errors) <= {"stream_error"}, s.errors
     for r in box["res"].results:
         assert (r.ok and r.output_tokens == r.max_tokens) or r.error == "stream_error", r
+
     def restarted() -> list[dict[str, Any]] | None:  # one listing read once: two reads can straddle a change
         reps = replicas(served)
         return reps if len(reps) == 2 and all(e["pid"] != victim["pid"] for e in reps) else None

@@ -148,12 +148,12 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         spec = self.spec
-        if spec is None and not self.scheduler.waiting and getattr(self.runner, "offers_greedy_steps", None):
+        offers = getattr(self.runner, "offers_greedy_steps", None)  # the torch runner runs no greedy runs
+        if spec is None and offers is not None and not self.scheduler.waiting and offers():
             limits = run_limits(planned, self._run.steps(), self.max_model_len)
-            if limits is not None and self.runner.offers_greedy_steps():
-                ran = self._step_run(planned, limits, t0, finished_only)
-                if ran is not None:
-                    return ran
+            ran = self._step_run(planned, limits, t0, finished_only) if limits is not None else None
+            if ran is not None:
+                return ran
         prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
         if spec is not None and prop is not None:

@@ -61,8 +61,9 @@ class ContinuousBatching(_Section):
     kv_cache_page_size: int = Field(16, ge=1)
     preemption_policy: PreemptionPolicy = "newest_first"
     max_num_batched_tokens: int = Field(512, ge=1)
-    decode_run_ms: float = Field(8.0, ge=0, description="greedy decode steps in one decoder call while every "
-                                 "running request is plain greedy and none waits (EngineConfig.decode_run_ms); 0 = off")
+    decode_run_ms: float = Field(EngineConfig.model_fields["decode_run_ms"].default, ge=0,
+                                 description="greedy decode steps in one decoder call while every running request "
+                                 "is plain greedy and none waits (EngineConfig.decode_run_ms); 0 = off")
 
 
 class SchedulerSection(_Section):

@@ -114,6 +114,7 @@ def test_a_run_stops_at_the_models_length(decoder: str) -> None:
         done, _ = _drive(e, {"a": (PROMPTS[0], sp)})
         outs.append(done["a"])
     assert outs[0] == outs[1] and outs[0][2] == "length"
+    assert e.stats().steps < e.stats().forward_steps  # the second engine ran runs up to the length
 
 
 def test_requests_that_sample_or_want_logprobs_step_one_token_at_a_time() -> None:
