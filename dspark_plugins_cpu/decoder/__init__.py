@@ -225,9 +225,14 @@ class OpenVINODecoder:
     def _infer(self, req: Any) -> None:
         with self._cancel_lock:  # a cancel meant for this step reaches this step only
             self._cancelled, self._running = False, req
+        # While OpenVINO packs (the first steps) the pages it packed from go as it proceeds, so the load peaks
+        # at the packed copy and a little, not at the packed copy and the whole mapped file.
+        releasing = _Releasing(self.weights_file) if self._unpacked and self.weights_file is not None else None
         try:
             req.infer()
         finally:
+            if releasing is not None:
+                releasing.stop()
             with self._cancel_lock:
                 cancelled, self._running = self._cancelled, None
         if cancelled:  # also a cancel that reached the request before its inference began
@@ -268,6 +273,26 @@ class OpenVINODecoder:
                 new = req.get_tensor(f"{kind}_new.{a + i}").data
                 gathered.write(kv[i][j], new, batch.slot_mapping)
         return np.array(req.get_output_tensor(0).data)
+
+
+class _Releasing:
+    """Releases a mapped weights file's pages every ``period_s`` on a thread of its own until stopped (OpenVINO
+    reads the file's pages once, to pack them, during the steps this runs beside; a page released before it
+    was read comes back from the file)."""
+
+    def __init__(self, weights: MappedWeights, period_s: float = 0.02) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(weights, period_s), daemon=True,
+                                        name="dspark-cpu-release")
+        self._thread.start()
+
+    def _run(self, weights: MappedWeights, period_s: float) -> None:
+        while not self._done.wait(period_s):
+            weights.release()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _bucketed(blocks: np.ndarray) -> np.ndarray:

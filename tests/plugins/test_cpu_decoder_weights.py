@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,32 @@ def test_the_weights_are_mapped_from_the_cache_and_leave_memory_once_packed(
     assert again.weights_file is not None and again.weights_file.written == 0
     assert all(np.array_equal(g.numpy(), w.numpy()) for g, w in zip(_greedy_logits(again, runner, steps=8), want,
                                                                      strict=True))
+
+
+def test_pages_are_released_beside_a_step_until_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While OpenVINO packs (its first steps) the mapped file's pages go as it proceeds: the load peaks at the
+    packed copy and a little, not at the packed copy and the whole file."""
+    from dspark_plugins_cpu.decoder import _Releasing
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    if not mapped.usable():
+        pytest.skip(f"mapped weights save nothing here (not Linux, or {tmp_path} is in memory)")
+    big = np.random.default_rng(3).standard_normal((2048, 1024), dtype=np.float32)  # 8 MiB
+    store = mapped.MappedWeights({"model": "releasing"})
+    view = store.add(big)
+    store.close()
+    assert float(np.asarray(view).sum()) == pytest.approx(float(big.sum()), rel=1e-4)  # as packing reads them
+    assert store.resident() >= big.nbytes
+    releasing = _Releasing(store, period_s=0.001)
+    try:
+        deadline = time.monotonic() + 30.0
+        while store.resident() >= big.nbytes // 8 and time.monotonic() < deadline:
+            releasing._done.wait(0.01)
+        assert store.resident() < big.nbytes // 8
+    finally:
+        releasing.stop()
+    assert not releasing._thread.is_alive()
+    assert np.array_equal(view, big)
 
 
 def test_a_cache_that_cannot_be_written_leaves_openvino_its_own_copies(

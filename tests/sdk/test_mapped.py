@@ -77,6 +77,25 @@ def test_released_pages_leave_memory_and_come_back_from_the_file() -> None:
     assert np.array_equal(view, big)  # read back from the file
 
 
+def test_a_private_mapping_is_released_until_a_page_of_it_is_written(tmp_path: Path) -> None:
+    """safetensors maps a checkpoint private and writable (copy on write): its pages go while none was
+    written, and a mapping holding a write keeps its pages, so the write is not lost."""
+    big = np.random.default_rng(2).standard_normal((2048, 1024), dtype=np.float32)  # 8 MiB
+    path = tmp_path / "weights.bin"
+    big.tofile(path)
+    cow = np.memmap(path, dtype=np.float32, mode="c", shape=big.shape)  # MAP_PRIVATE, readable and writable
+    assert float(cow.sum()) == pytest.approx(float(big.sum()), rel=1e-4)  # every page touched
+    assert mapped.resident_file(path) >= big.nbytes
+    assert mapped.release_file(path) >= big.nbytes
+    assert mapped.resident_file(path) < big.nbytes // 8
+    assert np.array_equal(cow, big)  # read back from the file
+    cow[7, 7] = 123.0  # one page now holds a write of this process alone
+    assert float(cow.sum()) != 0.0
+    assert mapped.release_file(path) == 0
+    assert mapped.resident_file(path) >= big.nbytes // 2
+    assert cow[7, 7] == 123.0 and np.array_equal(np.fromfile(path, np.float32).reshape(big.shape), big)
+
+
 def test_clearing_the_cache_removes_the_files() -> None:
     store = mapped.MappedWeights({"model": "gone"})
     store.add(_arrays()[1])

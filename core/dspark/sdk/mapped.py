@@ -56,24 +56,41 @@ def usable() -> bool:
 
 
 def release_file(path: str | Path) -> int:
-    """Drop from memory the pages of ``path`` this process maps read-only (a runtime's own mapping of a
-    model file, e.g. llama.cpp's of a GGUF once it has repacked the tensors it runs repacked): a page
-    read again comes back from the file. Mappings that may be written are left alone (dropping their
-    pages would drop the writes). Returns the bytes advised; 0 where this is not Linux."""
+    """Drop from memory the pages of ``path`` this process maps (a runtime's own mapping of a model file,
+    e.g. llama.cpp's of a GGUF once it has repacked the tensors it runs repacked, or safetensors' of a
+    checkpoint once its tensors were copied into fused ones): a page read again comes back from the file.
+    Mappings that hold writes are left alone (dropping their pages would drop the writes): shared writable
+    ones, and private ones with a page copied on write. Returns the bytes advised; 0 where this is not
+    Linux."""
     if platform.system() != "Linux":
         return 0
     try:
         dev, ino = _identity(path)
-        with open("/proc/self/maps") as f:
-            spans = [line.split() for line in f]
+        spans = _file_mappings(dev, ino)
     except OSError:
         return 0
     done = 0
-    for head in spans:
-        if len(head) >= 6 and head[4] == ino and head[3] == dev and "w" not in head[1]:
-            start, end = (int(x, 16) for x in head[0].split("-"))
+    for start, end, perms, written in spans:
+        if "w" not in perms or (perms.endswith("p") and not written):
             done += _advise(start, end - start)
     return done
+
+
+def _file_mappings(dev: str, ino: str) -> list[tuple[int, int, str, bool]]:
+    """(start, end, permissions, whether a page was copied on write) of each mapping of the file."""
+    out: list[tuple[int, int, str, bool]] = []
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+                inside = len(head) >= 6 and head[4] == ino and head[3] == dev
+                if inside:
+                    start, end = (int(x, 16) for x in head[0].split("-"))
+                    out.append((start, end, head[1], False))
+            elif inside and head[0] == "Anonymous:" and int(head[1]) > 0:
+                out[-1] = (*out[-1][:3], True)
+    return out
 
 
 def resident_file(path: str | Path) -> int:

@@ -50,6 +50,27 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def test_the_runner_holds_no_page_of_the_checkpoint_once_loaded(checkpoint: Callable[[str], Path]) -> None:
+    """safetensors hands out views of its mapped file; the pages the fused projections were copied from go as
+    the layers are built (the rest come back from the file when read), so a loaded runner holds its weights
+    once. Its outputs are those of the checkpoint."""
+    from dspark.llm import ModelRunner, SeqChunk
+    from dspark.sdk import mapped
+
+    root = checkpoint("llama")
+    f = root / "model.safetensors"
+    r = ModelRunner.from_pretrained(str(root), "float32")
+    assert mapped.resident_file(f) < f.stat().st_size // 4, (mapped.resident_file(f), f.stat().st_size)
+    _, w = load_checkpoint(root, "float32")
+    L = r.layers[0]
+    q, k, v = (w[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(L.w_qkv_t, torch.cat([q, k, v]).t())
+    gate, up = (w[f"model.layers.0.mlp.{x}_proj.weight"] for x in ("gate", "up"))
+    assert torch.equal(L.w_gate_up_t, torch.cat([gate, up]).t()) and L.w_gate_up_t.is_contiguous()
+    out = r.step(r.make_cache(4, 16), [SeqChunk("s", [1, 2, 3])])
+    assert torch.isfinite(out[0]).all()
+
+
 def test_sharded_index(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     d = _copy(checkpoint("llama"), tmp_path / "m")
     w = load_file(d / "model.safetensors")

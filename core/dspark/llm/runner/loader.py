@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -155,6 +156,25 @@ def load_checkpoint(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{root}: tensor {missing[0]} is missing from the checkpoint{more}")
     return cfg, weights
+
+
+def page_releaser(path: str | Path) -> Callable[[], None] | None:
+    """A call that drops the pages of the checkpoint's weight files this process maps (None: nothing to drop).
+    safetensors hands out views of its mapped file, and the pages a fused or transposed copy was made from
+    would stay resident beside the copy; a page read again (a tensor the runner holds as a view) comes back
+    from the file."""
+    from dspark.sdk.mapped import release_file
+
+    root = Path(path)
+    if not root.is_dir() or is_optimized(root):
+        return None
+    files = _weight_files(root)
+
+    def release() -> None:
+        for f in files:
+            release_file(f)
+
+    return release
 
 
 def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor], root: Path) -> None:

@@ -30,7 +30,7 @@ from dspark.llm.runner.attention import StepAttention
 from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
-from dspark.llm.runner.loader import load_checkpoint, resolve_dtype
+from dspark.llm.runner.loader import load_checkpoint, page_releaser, resolve_dtype
 from dspark.llm.runner.rope import Rope, longrope_splits, longrope_switch, run_split
 from dspark.llm.runner.torch_ops import RunnerOps, RunnerWeights, runner_spec
 from dspark.llm.runner.types import ModelConfig, SeqChunk, StepObservers
@@ -50,7 +50,9 @@ def _spans(rows: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 after_layer: Callable[[], None] | None = None) -> None:
+        """``after_layer``: called once each layer's fused copies are made (what the copied pages may go)."""
         self.cfg = cfg
         self.dtype = dtype
         self.embed = weights["model.embed_tokens.weight"]
@@ -62,7 +64,11 @@ class ModelRunner:
         self._family(cfg, dtype)
         if cfg.gemma:
             self.norm = self._gemma_norm(self.norm)
-        self.layers = [self._layer(cfg, weights, n) for n in range(cfg.num_hidden_layers)]
+        self.layers = []
+        for n in range(cfg.num_hidden_layers):
+            self.layers.append(self._layer(cfg, weights, n))
+            if after_layer is not None:
+                after_layer()
         # Per-layer torch devices once place() ran with anything but the CPU; None = all on the CPU.
         self.layer_devices: list[torch.device] | None = None
         # Optional prefill MLP replacement: (layer index, normed h) -> MLP output or None (torch runs it).
@@ -107,10 +113,11 @@ class ModelRunner:
         a = p + "self_attn."
         # Fused QKV and gate/up: one matmul each instead of three and two (Phi-3 stores them so).
         if cfg.fused_projections:
-            qkv, gate_up = weights[a + "qkv_proj.weight"], weights[p + "mlp.gate_up_proj.weight"]
+            qkv_t, gate_up_t = _stacked_t([weights[a + "qkv_proj.weight"]]), \
+                _stacked_t([weights[p + "mlp.gate_up_proj.weight"]])
         else:
-            qkv = torch.cat([weights[a + f"{x}_proj.weight"] for x in "qkv"])
-            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+            qkv_t = _stacked_t([weights[a + f"{x}_proj.weight"] for x in "qkv"])
+            gate_up_t = _stacked_t([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
         norm = self._gemma_norm if cfg.gemma else (lambda w: w)
         L = Layer(
             in_norm=norm(weights[p + "input_layernorm.weight"]),
@@ -118,10 +125,10 @@ class ModelRunner:
             # (its post_attention_layernorm normalises the attention output).
             post_norm=norm(weights[p + ("pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm")
                                    + ".weight"]),
-            w_qkv_t=qkv.t().contiguous(),
+            w_qkv_t=qkv_t,
             b_qkv=torch.cat([weights[a + f"{x}_proj.bias"] for x in "qkv"]) if cfg.attention_bias else None,
             w_o=weights[a + "o_proj.weight"],
-            w_gate_up_t=gate_up.t().contiguous(),
+            w_gate_up_t=gate_up_t,
             w_down=weights[p + "mlp.down_proj.weight"],
             b_o=weights[a + "o_proj.bias"] if cfg.o_bias else None,
         )
@@ -250,7 +257,9 @@ class ModelRunner:
     @classmethod
     def from_pretrained(cls, path: str, dtype: str | torch.dtype = "auto") -> ModelRunner:
         cfg, weights = load_checkpoint(path, dtype)
-        return cls(cfg, weights, resolve_dtype(dtype, cfg))
+        # The file's pages each layer's fused copies were made from go as the layers are built, so the load
+        # peaks at the copies and one layer's pages, not at the copies and the whole file.
+        return cls(cfg, weights, resolve_dtype(dtype, cfg), after_layer=page_releaser(path))
 
     def place(self, layer_devices: list[str], embed_device: str = "cpu", head_device: str = "cpu") -> None:
         """Hold each layer's weights (and, via make_cache, its KV pages) on its torch device."""
@@ -463,3 +472,14 @@ class ModelRunner:
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.cpu() if self.layer_devices is not None else logits  # the sampler lives on the host
+
+
+def _stacked_t(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``cat(parts).t()``, contiguous, written in place: no stacked intermediate, whose freed block the
+    allocator would keep (at load the process would grow by a stacked layer per layer)."""
+    out = torch.empty((parts[0].shape[1], sum(w.shape[0] for w in parts)), dtype=parts[0].dtype)
+    o = 0
+    for w in parts:
+        out[:, o:o + w.shape[0]].copy_(w.t())
+        o += w.shape[0]
+    return out
