@@ -48,6 +48,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from unlikelihood import seq_ul_loss  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 MAIN_DIR = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama"
 DRAFT_DIR = REPO / "core" / "dspark" / "assets" / "models" / "stdlib-llama-draft"
@@ -382,8 +385,16 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
         for gparam in opt.param_groups:
             gparam["lr"] = lr
         x = batch_at(step)
+        ul_step = teacher is None and args.seq_ul_every and step % args.seq_ul_every == args.seq_ul_every - 1
         with autocast(args):
-            if teacher is None:
+            if ul_step:  # the model's own greedy loops, penalised (scripts/unlikelihood.py)
+                loss, rep = seq_ul_loss(model, x, args.seq_ul_prefix, args.seq_ul_new, args.seq_ul_n,
+                                        args.seq_ul_count)
+                loss = args.seq_ul_weight * loss
+                run["ul"] = run.get("ul", 0.0) + loss.item()
+                run["rep"] = run.get("rep", 0.0) + rep
+                run["n_ul"] = run.get("n_ul", 0) + 1
+            elif teacher is None:
                 main, exits = losses(model, x, exit_layers, args.exit_stride)
                 loss = main + exit_weight * sum(exits)
             else:
@@ -398,19 +409,24 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        run["loss"] += main.item(); run["n"] += 1
-        for i, e in enumerate(exits):
-            run["exit"][i] += e.item()
+        if not ul_step:
+            run["loss"] += main.item(); run["n"] += 1
+            for i, e in enumerate(exits):
+                run["exit"][i] += e.item()
         if step % args.log_every == 0 or step == steps:
             el = time.time() - t0
-            rec = {"step": step, "loss": run["loss"] / run["n"],
-                   "exit_loss": [v / run["n"] for v in run["exit"]], "lr": lr, "elapsed_s": round(el, 1)}
+            n_mle = max(run["n"], 1)
+            rec = {"step": step, "loss": run["loss"] / n_mle,
+                   "exit_loss": [v / n_mle for v in run["exit"]], "lr": lr, "elapsed_s": round(el, 1)}
+            if run.get("n_ul"):  # unlikelihood steps: their loss, and the share of continuation tokens repeated
+                rec["ul_loss"], rec["greedy_repeats"] = run["ul"] / run["n_ul"], run["rep"] / run["n_ul"]
             if held is not None and args.eval_every and step % args.eval_every == 0:
                 rec["heldout"] = curve_point(model, held, args.eval_seq, exit_layers)
                 model.train()
             history.append(rec)
             log(f"[{name}] step {step}/{steps} loss {rec['loss']:.3f} "
                 + " ".join(f"{k} {v:.3f}" for k, v in zip(aux_names, rec["exit_loss"]))
+                + (f" ul {rec['ul_loss']:.3f} repeats {rec['greedy_repeats']:.3f}" if "ul_loss" in rec else "")
                 + f" lr {lr:.2e} {el/60:.1f} min, {step*args.bs*args.seq/el:.0f} tok/s"
                 + (f" held-out ppl {rec['heldout']['full']['perplexity']:.1f}"
                    f" top1 {rec['heldout']['full']['top1_accuracy']:.3f}" if "heldout" in rec else ""))
@@ -787,6 +803,14 @@ def main():
     ap.add_argument("--distil-weight", type=float, default=0.0,
                     help="weight of the KL to the main model's distribution in the draft's loss (0 = plain CE)")
     ap.add_argument("--distil-temp", type=float, default=1.0)
+    ap.add_argument("--seq-ul-every", type=int, default=0,
+                    help="every Nth main step is a sequence-level unlikelihood step on the model's own greedy "
+                         "continuations (scripts/unlikelihood.py; 0 = none)")
+    ap.add_argument("--seq-ul-prefix", type=int, default=64, help="prefix tokens the continuations start from")
+    ap.add_argument("--seq-ul-new", type=int, default=96, help="greedy tokens per continuation")
+    ap.add_argument("--seq-ul-n", type=int, default=6, help="an n-gram seen before in the row marks a repeat")
+    ap.add_argument("--seq-ul-count", type=int, default=16, help="continuations per unlikelihood step")
+    ap.add_argument("--seq-ul-weight", type=float, default=1.0)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--exit-layers", default="2")
     ap.add_argument("--exit-weight", type=float, default=0.3)

@@ -20,13 +20,14 @@ from dspark.llm.runner.model import ModelRunner
 README_PROMPT = "def quick_sort(arr):"
 
 
-def _load_script_helper(name: str) -> Any:
-    """A function of scripts/train_default_model.py: the card's figures and this test use the same one."""
+def _load_script_helper(name: str, script: str = "train_default_model") -> Any:
+    """A function of scripts/train_default_model.py (or another module of scripts/): the card's figures and
+    this test use the same one."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train_default_model.py"
-    spec = importlib.util.spec_from_file_location("train_default_model", path)
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(script, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -72,6 +73,20 @@ def test_repeated_phrase_finds_a_loop_of_words() -> None:
     assert _repeated_phrase("Return a list of a list of a list of the list.") == "a list of"
     assert _repeated_phrase("x = 1\ny = 2\nz = 3") is None
     assert _repeated_phrase("return return return") == "return"
+
+
+def test_unlikelihood_marks_every_token_of_an_ngram_seen_before() -> None:
+    """The training script's sequence-level unlikelihood (scripts/unlikelihood.py) penalises the tokens of a
+    greedy continuation that repeat an n-gram of the row, and nothing else."""
+    import torch
+
+    repeats = _load_script_helper("repeats", "unlikelihood")
+    seq = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 9, 1, 2, 3],
+                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    got = repeats(seq, 4, 3)  # a prefix of 4 tokens, trigrams
+    assert got[0].tolist() == [False, False, True, True, True, False, True, True, True]
+    assert not got[1].any()
+    assert repeats(seq, 4, 2)[0].tolist() == [False, False, True, True, True, False, True, True, True]
 
 
 def test_model_card_quotes_this_model() -> None:
