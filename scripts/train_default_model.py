@@ -22,7 +22,9 @@ kept in ``--ckpt-dir`` so an interrupted run resumes with ``--resume``.
 
 The committed main model was trained from scratch and then continued
 (``--main-init``, a fresh optimizer, 512-token windows throughout); the
-commands are in the model cards. ``--draft-init N --distil-weight W`` starts
+commands are in the model cards. ``--seq-ul-every N`` makes every Nth main step a
+sequence-level unlikelihood step on the model's own greedy continuations
+(``scripts/unlikelihood.py``). ``--draft-init N --distil-weight W`` starts
 the draft from the main model's first N layers, ``--draft-from DIR`` from a
 saved draft; ``--distil-weight W`` distils it from the main model's
 distribution. A draft alone (``--stages draft,eval``) trains beside the main
@@ -612,6 +614,12 @@ def write_card(path: Path, kind: str, info: dict):
         objective = (f"Next-token cross-entropy of the full model plus {a['exit_weight']} x the "
                      f"cross-entropy of the early exit(s) after layer(s) {info['exit_layers']} "
                      "(hidden state -> final RMSNorm -> shared tied lm_head).")
+        if a.get("seq_ul_every"):
+            objective += (f" Every {a['seq_ul_every']}th step instead: sequence-level unlikelihood (Welleck et al. "
+                          f"2019, `scripts/unlikelihood.py`) on {a['seq_ul_count']} greedy continuations of "
+                          f"{a['seq_ul_new']} tokens from {a['seq_ul_prefix']}-token prefixes of the step's "
+                          f"windows: each continuation token that repeats a {a['seq_ul_n']}-gram of its row is "
+                          "penalised by -log(1 - p), so greedy decoding falls into loops less often.")
     else:
         title = "stdlib-llama-draft — draft model for stdlib-llama"
         blurb = ("A much smaller Llama-architecture causal LM with the same tokenizer as "

@@ -69,6 +69,19 @@ def test_readme_example_is_python_not_a_loop(llm: LLM) -> None:
     assert _repeated_phrase(out) is None, out  # not "a list of a list of a list of"
 
 
+@pytest.mark.parametrize("decoder", ["torch", "cpu", "llamacpp"])
+def test_readme_example_in_the_engines_own_precision_is_not_a_loop(decoder: str) -> None:
+    """As `dspark serve` runs it: in the dtype the engine picks on this machine (bfloat16 where the CPU computes
+    it natively), on each decoder that may run it, whose rounding differs (a loop can start sooner on one)."""
+    llm = LLM(decoder=decoder, max_batch_size=1)
+    ran = llm.engine.stats().decoder
+    if not ran.startswith(decoder):
+        pytest.skip(f"decoder {decoder!r} does not run the model here (it ran on {ran})")
+    out = llm.generate([README_PROMPT], SamplingParams(temperature=0, max_tokens=64))[0].text
+    assert _repeat_run(README_PROMPT + out) <= 2, out
+    assert _repeated_phrase(out) is None, out
+
+
 def test_repeated_phrase_finds_a_loop_of_words() -> None:
     assert _repeated_phrase("Return a list of a list of a list of the list.") == "a list of"
     assert _repeated_phrase("x = 1\ny = 2\nz = 3") is None
