@@ -149,10 +149,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         spec = self.spec
         offers = getattr(self.runner, "offers_greedy_steps", None)  # the torch runner runs no greedy runs
-        if spec is None and offers is not None and not self.scheduler.waiting and offers():
-            limits = run_limits(planned, self._run.steps(), self.max_model_len)
+        cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
+        if (spec is None or cap) and offers is not None and not self.scheduler.waiting and offers():
+            steps = self._run.steps() if cap is None else min(cap, self._run.steps())
+            limits = run_limits(planned, steps, self.max_model_len)
             ran = self._step_run(planned, limits, t0, finished_only) if limits is not None else None
             if ran is not None:
+                if spec is not None:
+                    spec.ran(len(planned))
                 return ran
         prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
@@ -162,8 +166,8 @@ class LLMEngine:
         logits = self.runner.step(self.cache, chunks)
         fwd_ms = (time.perf_counter() - t_fwd) * 1e3
         self._forward_ms += fwd_ms
-        if spec is None and all(is_decode(p) for p in planned):
-            self._run.observe(fwd_ms)
+        if all(is_decode(p) for p in planned) and all(len(ch.token_ids) == 1 for ch in chunks):
+            self._run.observe(fwd_ms)  # a plain decode step's time, speculative or not: a run's length
         if spec is not None and prop is not None:
             spec.verify(prop, chunks, logits, t_fwd)  # first: it times the forward
         drafted = [bool(prop is not None and prop.draft(p.seq)) for p in planned]
@@ -239,6 +243,8 @@ class LLMEngine:
                 outputs.append(self._output(seq))
             if seq.status is Status.FINISHED:
                 del self._seqs[seq.request_id]
+                if self.spec is not None:
+                    self.spec.release(seq.request_id)
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += steps

@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 from decoder_testutil import MODEL, LlamacppWrapped, float_engine
 
+import dspark
 from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.decoding.runs import MAX_RUN, RunLength, run_limits
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
+from dspark.llm.speculative.decoder import IDLE_STEPS
+from dspark.types import Draft, DrafterSpec, TargetModel
 
 HAVE_LLAMACPP = all(importlib.util.find_spec(m) is not None for m in ("dspark_llamacpp", "llama_cpp"))
 needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMACPP, reason="the llamacpp plugin or llama-cpp-python is not "
@@ -211,3 +214,47 @@ def test_a_run_failing_while_serving_fails_over_and_loses_no_request(mode: str) 
     fault = host.last_fault("badruns")
     assert fault is not None and fault.hook == "decoder.step" and "greedy_steps" in fault.reason
     assert ("aborted mid-run" if mode == "raise" else "is not 1 to") in fault.reason
+
+
+class _Silent:
+    """A drafter plugin whose drafter never drafts: whatever DeepSpec chooses, no proposal drafts anything."""
+
+    DSPARK_API_VERSION = "1.1"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @dspark.hookimpl
+    def dspark_drafters(self, target: TargetModel) -> list[DrafterSpec]:
+        outer = self
+
+        class Drafter:
+            def propose(self, tokens: list[int], k: int) -> Draft:
+                outer.calls += 1
+                return Draft(tokens=[])
+
+        return [DrafterSpec(name="silent", kind="ngram", create=Drafter)]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_deepspec_runs_the_stretches_it_has_nothing_to_draft_for(decoder: str) -> None:
+    """After IDLE_STEPS proposals in a row without a draft, DeepSpec lets greedy runs of 2, 4, 8, ... steps
+    take the stretch (a proposal between runs), with plain decoding's tokens."""
+    plain = _first_tokens(decoder)
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda"}))
+    silent = _Silent()
+    host.register(silent, "silent")
+    host.load()
+    e = float_engine(decoder, decode_run_ms=RUN_MS, max_batch_size=4, plugin_host=host,
+                     speculative_decoding={"strategy": "deepspec", "drafters": ["silent"]})
+    assert e.spec is not None and [h.name for h in e.spec.handles] == ["silent"]
+    calibration = silent.calls  # the startup calibration times the drafter
+    done, streamed = _drive(e, {str(i): (p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                                for i, p in enumerate(PROMPTS)})
+    assert {k: v[0] for k, v in done.items()} == plain
+    assert all(streamed[k] == v[1] for k, v in done.items())
+    s = e.stats()
+    # Prefill, IDLE_STEPS + 1 single steps, then runs of 2, 4, 8, 16 steps with one proposal after each.
+    assert s.forward_steps >= 40 and s.steps <= 2 + IDLE_STEPS + 2 * 4 + 1, (s.steps, s.forward_steps)
+    assert 0 < silent.calls - calibration <= len(PROMPTS) * (IDLE_STEPS + 6)  # a proposal per run, not per token
+    assert s.spec_drafts == 0

@@ -68,6 +68,9 @@ from dspark.types import TargetModel
 __all__ = ["Proposal", "SpecDecoder", "Verdict", "repetitiveness"]
 
 
+IDLE_STEPS = 2  # proposals in a row without a draft before plain stretches run as greedy runs (run_steps)
+
+
 def _rows_wanted(drafter: Any) -> int:
     """How many of the context's last target rows a drafter reads (its ``target_rows``, API 1.9)."""
     n = getattr(drafter, "target_rows", 0)
@@ -166,6 +169,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.explore_steps = 0
         self._quiet = 0.0
         self._explore_gap = _EXPLORE_FIRST
+        self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
+        self._ran = False  # the last engine step was a greedy run: the next one proposes
         # Tokens per ms the engine sustains (an EMA over decode steps, wall time): what a drafted
         # token's time is priced at (Controller.choose).
         self.rate: float | None = None
@@ -187,6 +192,21 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.rows.pop(rid, None)
         for h in self.handles:
             self._tell(h, "release", rid)
+
+    def run_steps(self) -> int:
+        """Greedy decode steps the engine may run in one decoder call now instead of a speculative step (0:
+        propose). Once ``IDLE_STEPS`` proposals in a row drafted nothing, DeepSpec lets plain stretches run
+        as greedy runs (docs/decoders.md) of 2, 4, 8, ... steps, proposing once between runs: a stretch
+        with nothing to draft pays the proposal's host time once per run, not once per token, and a
+        draft taken ends the runs. Not while a drafter reads the target's rows (a run produces none)."""
+        if self.strategy != "deepspec" or self._ran or self.rows_wanted or self.idle < IDLE_STEPS:
+            return 0
+        return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
+
+    def ran(self, batch_rows: int) -> None:
+        """The engine ran a greedy run (one row per sequence a step): the next step proposes."""
+        self._ran = True
+        self.prev_rows = batch_rows
 
     def note_rows(self, rid: str, rows: torch.Tensor) -> None:
         """The target's output rows (hidden states or raw logits) [n, ...] of request ``rid``'s tokens

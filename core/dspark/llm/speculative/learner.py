@@ -18,6 +18,8 @@ class Learner(DrafterCalls):
     """Learning and reporting (a part of :class:`~dspark.llm.speculative.decoder.SpecDecoder`)."""
 
     strategy: str
+    idle: int
+    _ran: bool
     predictor: AcceptancePredictor
     reqs: dict[str, ReqState]
     controller: Controller | None
@@ -29,13 +31,18 @@ class Learner(DrafterCalls):
     _make_controller: Callable[[], Controller]  # Calibration's
 
     def end_step(self, prop: Proposal, step_ms: float) -> None:
-        """After the engine appended the step's tokens: per-drafter step counts and the yield rate,
-        tokens per ms over decode-only steps, that a drafted token's time is priced at."""
+        """After the engine appended the step's tokens: per-drafter step counts, the yield rate, tokens
+        per ms over decode-only steps, that a drafted token's time is priced at, and how many decode-only
+        proposals in a row drafted nothing (``SpecDecoder.run_steps``)."""
+        self._ran = False
+        dec = prop.dec
+        if dec:
+            drafted = any(d.drafted for d in prop.pend.values())
+            self.idle = 0 if drafted or prop.prefill_tokens else self.idle + 1
         for i in prop.used:
             self.handles[i].stats.steps += 1
         if prop.used:
             self.spec_steps += 1
-        dec = prop.dec
         if self.controller is not None and dec and not prop.prefill_tokens:
             r = (sum(len(p.seq.output_ids) for p in dec) - prop.n_before) / max(step_ms, 1e-6)
             self.rate = r if self.rate is None else self.rate + 0.05 * (r - self.rate)
