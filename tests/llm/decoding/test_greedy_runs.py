@@ -238,8 +238,8 @@ class _Silent:
 
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_deepspec_runs_the_stretches_it_has_nothing_to_draft_for(decoder: str) -> None:
-    """After IDLE_STEPS steps in a row that gained no token (here: no draft at all), DeepSpec lets greedy runs
-    of 2, 4, 8, ... steps take the stretch (a proposal between runs), with plain decoding's tokens."""
+    """After IDLE_STEPS proposals in a row without a draft, DeepSpec lets greedy runs of 2, 4, 8, ... steps
+    take the stretch (a proposal between runs), with plain decoding's tokens."""
     plain = _first_tokens(decoder)
     host = PluginHost(PluginSettings(blocked={"npu", "cuda"}))
     silent = _Silent()

@@ -68,7 +68,7 @@ from dspark.types import TargetModel
 __all__ = ["Proposal", "SpecDecoder", "Verdict", "repetitiveness"]
 
 
-IDLE_STEPS = 2  # steps in a row that gained no token over plain decoding before stretches run as greedy runs
+IDLE_STEPS = 2  # proposals in a row without a draft before plain stretches run as greedy runs (run_steps)
 
 
 def _rows_wanted(drafter: Any) -> int:
@@ -169,7 +169,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.explore_steps = 0
         self._quiet = 0.0
         self._explore_gap = _EXPLORE_FIRST
-        self.idle = 0  # decode-only steps in a row that gained no token over plain decoding (Learner.end_step)
+        self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
         self._ran = False  # the last engine step was a greedy run: the next one proposes
         # Tokens per ms the engine sustains (an EMA over decode steps, wall time): what a drafted
         # token's time is priced at (Controller.choose).
@@ -195,10 +195,10 @@ class SpecDecoder(Proposer, Learner, Calibration):
 
     def run_steps(self) -> int:
         """Greedy decode steps the engine may run in one decoder call now instead of a speculative step (0:
-        propose). Once ``IDLE_STEPS`` speculative steps in a row gained no token over plain decoding (nothing
-        drafted, or every draft rejected), DeepSpec lets the stretch run as greedy runs (docs/decoders.md)
-        of 2, 4, 8, ... steps, proposing once between runs: a stretch with nothing worth drafting pays the
-        proposal's host time once per run, not once per token, and an accepted draft ends the runs. Not while a drafter reads the target's rows (a run produces none)."""
+        propose). Once ``IDLE_STEPS`` proposals in a row drafted nothing, DeepSpec lets plain stretches run
+        as greedy runs (docs/decoders.md) of 2, 4, 8, ... steps, proposing once between runs: a stretch
+        with nothing to draft pays the proposal's host time once per run, not once per token, and a
+        draft taken ends the runs. Not while a drafter reads the target's rows (a run produces none)."""
         if self.strategy != "deepspec" or self._ran or self.rows_wanted or self.idle < IDLE_STEPS:
             return 0
         return 2 ** min(self.idle - IDLE_STEPS + 1, 5)

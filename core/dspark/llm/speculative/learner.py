@@ -33,12 +33,12 @@ class Learner(DrafterCalls):
     def end_step(self, prop: Proposal, step_ms: float) -> None:
         """After the engine appended the step's tokens: per-drafter step counts, the yield rate, tokens
         per ms over decode-only steps, that a drafted token's time is priced at, and how many decode-only
-        steps in a row gained no token over plain decoding (``SpecDecoder.run_steps``)."""
+        proposals in a row drafted nothing (``SpecDecoder.run_steps``)."""
         self._ran = False
         dec = prop.dec
-        if dec:  # a step that gained no token over a plain one (nothing drafted, or every draft rejected)
-            gained = sum(len(p.seq.output_ids) for p in dec) - prop.n_before - len(dec)
-            self.idle = 0 if gained > 0 or prop.prefill_tokens else self.idle + 1
+        if dec:
+            drafted = any(d.drafted for d in prop.pend.values())
+            self.idle = 0 if drafted or prop.prefill_tokens else self.idle + 1
         for i in prop.used:
             self.handles[i].stats.steps += 1
         if prop.used:
