@@ -198,8 +198,11 @@ class SpecDecoder(Proposer, Learner, Calibration):
         propose). Once ``IDLE_STEPS`` proposals in a row drafted nothing, DeepSpec lets plain stretches run
         as greedy runs (docs/decoders.md) of 2, 4, 8, ... steps, proposing once between runs: a stretch
         with nothing to draft pays the proposal's host time once per run, not once per token, and a
-        draft taken ends the runs. Not while a drafter reads the target's rows (a run produces none)."""
-        if self.strategy != "deepspec" or self._ran or self.rows_wanted or self.idle < IDLE_STEPS:
+        draft taken ends the runs. Not before DeepSpec has drafted, or proposed as many times as its first
+        exploration waits for (that exploration checks the startup calibration's cost model), nor while a
+        drafter reads the target's rows (a run produces none)."""
+        if self.strategy != "deepspec" or self._ran or self.rows_wanted or self.idle < IDLE_STEPS \
+                or (not self.spec_steps and self.steps <= _EXPLORE_FIRST):
             return 0
         return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
 
