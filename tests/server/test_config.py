@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dspark.llm import SamplingParams, default_model_path
+from dspark.llm.config import EngineConfig
 from dspark.server.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def test_the_seeds_file_is_accepted_and_mapped(tmp_path: Path) -> None:
     assert spec.active and spec.strategy == "deepspec"  # deepspec_v2 is an alias
     ec = cfg.engine_config()
     assert (ec.max_batch_size, ec.max_model_len, ec.max_total_tokens) == (64, 32768, 200000)
-    assert ec.decode_run_ms == 8.0  # the engine's default greedy runs
+    assert ec.decode_run_ms == EngineConfig.model_fields["decode_run_ms"].default  # the engine's own default
 
 
 def test_greedy_runs_are_set_from_the_config(tmp_path: Path) -> None:
