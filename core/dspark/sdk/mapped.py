@@ -62,11 +62,15 @@ def release_file(path: str | Path) -> int:
     Mappings that hold writes are left alone (dropping their pages would drop the writes): shared writable
     ones, and private ones with a page copied on write. Returns the bytes advised; 0 where this is not
     Linux."""
+    return release_files([path])
+
+
+def release_files(paths: list[str | Path]) -> int:
+    """:func:`release_file` for several files, reading the process's mappings once."""
     if platform.system() != "Linux":
         return 0
     try:
-        dev, ino = _identity(path)
-        spans = _file_mappings(dev, ino)
+        spans = _file_mappings({_identity(p) for p in paths})
     except OSError:
         return 0
     done = 0
@@ -76,15 +80,16 @@ def release_file(path: str | Path) -> int:
     return done
 
 
-def _file_mappings(dev: str, ino: str) -> list[tuple[int, int, str, bool]]:
-    """(start, end, permissions, whether a page was copied on write) of each mapping of the file."""
+def _file_mappings(files: set[tuple[str, str]]) -> list[tuple[int, int, str, bool]]:
+    """(start, end, permissions, whether a page was copied on write) of each mapping of the files, given by
+    (device, inode)."""
     out: list[tuple[int, int, str, bool]] = []
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
-                inside = len(head) >= 6 and head[4] == ino and head[3] == dev
+                inside = len(head) >= 6 and (head[3], head[4]) in files
                 if inside:
                     start, end = (int(x, 16) for x in head[0].split("-"))
                     out.append((start, end, head[1], False))

@@ -163,16 +163,15 @@ def page_releaser(path: str | Path) -> Callable[[], None] | None:
     safetensors hands out views of its mapped file, and the pages a fused or transposed copy was made from
     would stay resident beside the copy; a page read again (a tensor the runner holds as a view) comes back
     from the file."""
-    from dspark.sdk.mapped import release_file
+    from dspark.sdk.mapped import release_files
 
     root = Path(path)
     if not root.is_dir() or is_optimized(root):
         return None
-    files = _weight_files(root)
+    files: list[str | Path] = list(_weight_files(root))
 
     def release() -> None:
-        for f in files:
-            release_file(f)
+        release_files(files)  # the process's mappings read once for every shard
 
     return release
 
