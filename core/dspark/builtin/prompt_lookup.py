@@ -16,8 +16,9 @@ from __future__ import annotations
 from dspark.types import Draft, DraftRequest
 
 
-class _Index:
-    """n-gram -> (latest start, the start before it), for n in [lo, hi], over ``toks``."""
+class NgramIndex:
+    """n-gram -> (latest start, the start before it), for n in [lo, hi], over ``toks``: the drafter's lookup,
+    extended token by token (also what DeepSpec replays a lone request's text with, dspark.llm.speculative.runs)."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
@@ -77,7 +78,7 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self._index: dict[str, _Index] = {}
+        self._index: dict[str, NgramIndex] = {}
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         if k <= 0:
@@ -98,7 +99,7 @@ class PromptLookupDrafter:
             idx = self._index.get(r.seq_id)
             have = 0 if idx is None else len(idx.toks)
             if idx is None or have > len(r.tokens) or r.tokens[:have] != idx.toks:
-                idx = self._index[r.seq_id] = _Index(self.min_ngram, self.max_ngram)
+                idx = self._index[r.seq_id] = NgramIndex(self.min_ngram, self.max_ngram)
                 have = 0
             idx.extend(r.tokens[have:])
             if r.k <= 0:

@@ -1,0 +1,1 @@
+"""DeepSpec's runs for a lone greedy request: which way it decodes its next stretch (``replay``)."""
