@@ -13,7 +13,7 @@ import torch
 from dspark.host.log import get_logger
 from dspark.llm.assembly import EngineParts, build_parts
 from dspark.llm.config import EngineConfig
-from dspark.llm.decoding.runs import RunLength, is_decode, run_limits, stop_ids
+from dspark.llm.decoding.runs import MAX_RUN, RunLength, is_decode, run_limits, stop_ids
 from dspark.llm.detokenize import Detokenizer
 from dspark.llm.logits import (
     LogprobsPrefix,
@@ -150,13 +150,24 @@ class LLMEngine:
         spec = self.spec
         offers = getattr(self.runner, "offers_greedy_steps", None)  # the torch runner runs no greedy runs
         cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
+        fitted = False  # cap is a run's length already fitted to its time budget
+        way = spec.lone_plan(planned, self._run.budget_ms) if spec is not None and not self.scheduler.waiting \
+            else None  # a lone greedy request: a greedy run, or a copy run of k drafted tokens a step
+        if way is not None:
+            k, n = way[0], min(way[1], MAX_RUN)
+            if k:
+                ran = self._step_copy(planned[0], k, n, t0, finished_only)
+                if ran is not None:
+                    return ran
+            else:
+                cap, fitted = n, True
         if (spec is None or cap) and offers is not None and not self.scheduler.waiting and offers():
-            steps = self._run.steps() if cap is None else min(cap, self._run.steps())
+            steps = self._run.steps() if cap is None else cap if fitted else min(cap, self._run.steps())
             limits = run_limits(planned, steps, self.max_model_len)
             ran = self._step_run(planned, limits, t0, finished_only) if limits is not None else None
             if ran is not None:
                 if spec is not None:
-                    spec.ran(len(planned))
+                    spec.ran(len(planned), *self._run.last)
                 return ran
         prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
@@ -249,6 +260,33 @@ class LLMEngine:
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += steps
         self.scheduler.record_step(step_ms / steps)  # the batch limit adapts to a step's time, not a run's
+        return outputs
+
+    def _step_copy(self, p: ScheduledChunk, k: int, steps: int, t0: float,
+                   finished_only: bool) -> list[RequestOutput] | None:
+        """A copy run (``SpecDecoder.copy_run``): up to ``steps`` verification steps of one greedy request, each
+        of ``k`` tokens drafted by prompt lookup, in one engine step; the tokens appended through the stop
+        checks as a step's are. None when it ran no step (the caller proposes instead)."""
+        assert self.spec is not None
+        seq = p.seq
+        limits = run_limits([p], 1 << 30, self.max_model_len)  # the tokens it may still take
+        if limits is None:
+            return None
+        t_fwd = time.perf_counter()
+        toks, steps = self.spec.copy_run(seq, k, steps, limits[0], stop_ids([p], self.eos_ids))
+        if not steps:
+            return None
+        self._forward_ms += (time.perf_counter() - t_fwd) * 1e3
+        seq.num_computed += len(toks)
+        self._append(seq, toks)
+        outputs = [self._output(seq)] if not finished_only or seq.status is Status.FINISHED else []
+        if seq.status is Status.FINISHED:
+            del self._seqs[seq.request_id]
+            self.spec.release(seq.request_id)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
+        self._forward_steps += steps
+        self.scheduler.record_step(step_ms / steps)
         return outputs
 
     def _append(self, seq: Sequence, toks: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:

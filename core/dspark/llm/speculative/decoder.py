@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dspark.builtin.prompt_lookup import PromptLookupDrafter
 from dspark.host.plugin_manager import PluginHost
 from dspark.llm.speculative.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
@@ -58,17 +59,19 @@ from dspark.llm.speculative.proposer import (
     ReqState,
     repetitiveness,
 )
+from dspark.llm.speculative.runs.replay import Replay
 from dspark.llm.speculative.verify import (
     accept_greedy_blocks,
     accept_processed,
     accept_sampling,
 )
-from dspark.types import TargetModel
+from dspark.types import DraftRequest, TargetModel
 
 __all__ = ["Proposal", "SpecDecoder", "Verdict", "repetitiveness"]
 
 
 IDLE_STEPS = 2  # proposals in a row without a draft before plain stretches run as greedy runs (run_steps)
+PROPOSE_EVERY = 8  # a lone greedy request's stretches: every 8th is a proposal (lone_plan)
 
 
 def _rows_wanted(drafter: Any) -> int:
@@ -171,6 +174,14 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._explore_gap = _EXPLORE_FIRST
         self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
         self._ran = False  # the last engine step was a greedy run: the next one proposes
+        # Copy runs (lone_plan, copy_run): the prompt-lookup drafter, each lone request's replay, a step's
+        # measured time by its rows, stretches decided, whether a model drafter's last draft held.
+        self._lookup = next((h for h in self.handles if isinstance(h.obj, PromptLookupDrafter)), None)
+        self._replays: dict[str, Replay] = {}
+        self._copy_ms: dict[int, float] = {}
+        self._stretches = 0
+        self._model_held = False
+        self.copy_runs = 0
         # Tokens per ms the engine sustains (an EMA over decode steps, wall time): what a drafted
         # token's time is priced at (Controller.choose).
         self.rate: float | None = None
@@ -190,6 +201,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         """Forget a finished or aborted request, here and in every drafter."""
         self.reqs.pop(rid, None)
         self.rows.pop(rid, None)
+        self._replays.pop(rid, None)
         for h in self.handles:
             self._tell(h, "release", rid)
 
@@ -206,10 +218,111 @@ class SpecDecoder(Proposer, Learner, Calibration):
             return 0
         return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
 
-    def ran(self, batch_rows: int) -> None:
-        """The engine ran a greedy run (one row per sequence a step): the next step proposes."""
+    def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float) -> tuple[int, int] | None:
+        """How a lone plain greedy decode goes on now (docs/decoders.md, "Copy runs"): (0, n), a greedy run of
+        n steps; (k, n), a copy run of n steps of k drafted tokens (``copy_run``); None, a proposal as usual.
+        The request's text is replayed (``runs.replay``) and the way that would have cost least over it is
+        taken, at the steps' measured times; n steps fit in ``budget_ms`` (``EngineConfig.decode_run_ms``;
+        0: no runs; the engine caps n). Every ``PROPOSE_EVERY``th stretch, and after a model drafter's draft held, a proposal
+        lets DeepSpec's other drafters show."""
+        lookup = self._lookup
+        if self.strategy != "deepspec" or lookup is None or lookup.disabled or len(planned) != 1 \
+                or self.rows_wanted or budget_ms <= 0:
+            return None
+        p = planned[0]
+        s = p.seq
+        if not (p.num_tokens == 1 and p.completes and s.plain and s.params.greedy
+                and s.params.prompt_logprobs is None):
+            return None
+        rep = self._replays.get(s.request_id)
+        if rep is None:
+            obj = lookup.obj
+            rep = self._replays[s.request_id] = Replay(s.prompt_ids, obj.min_ngram, obj.max_ngram)
+        rep.catch_up(s.all_ids)
+        if self._model_held:
+            self._model_held = False
+            return None
+        self._stretches += 1
+        if self._stretches % PROPOSE_EVERY == 0:
+            return None
+        way = rep.choose(self._step_ms, self.change_ms)
+        k = 0 if way is None else way  # too little text replayed: plain steps are the cheapest way to more
+        return k, max(1, int(budget_ms / self._step_ms(1 + k)))
+
+    def _step_ms(self, rows: int) -> float:
+        """A step of one sequence of ``rows`` rows: as measured (copy runs; greedy runs for one row), else the
+        verify cost model's (calibrated at startup) ratio to a one-row step, times a measured one-row step."""
+        got = self._copy_ms.get(rows)
+        if got is not None:
+            return got
+        one = self.verify_cost.predict(verify_x(1, 0, 0, 0))
+        if rows == 1 or one <= 0:
+            return max(one, 1e-3)
+        model = self.verify_cost.predict(verify_x(1, rows - 1, 1, 0))
+        return self._copy_ms.get(1, one) * model / one
+
+    def copy_run(self, seq: Sequence, k: int, steps: int, left: int, stops: frozenset[int]) -> tuple[list[int], int]:
+        """Up to ``steps`` verification steps of ``seq``, each drafted by prompt lookup alone and padded to
+        ``k`` drafted tokens (one shape all through), judged greedily, the rejected rows rolled back. Ends
+        early at a token of ``stops``, or where fewer than ``k`` tokens are left to draft before ``left`` are
+        out (the shape would change). Returns the tokens plain greedy decoding would have produced, in order
+        (the engine appends them through its stop checks), and the steps run."""
+        h = self._lookup
+        assert h is not None
+        rid, cache = seq.request_id, self.cache
+        ctx = list(seq.all_ids)
+        n = seq.num_computed
+        k = min(k, self._cap(seq))
+        out: list[int] = []
+        done = 0
+        t_second = time.perf_counter()
+        while done < steps and k > 0:
+            if left - len(out) - 1 < k or not cache.can_grow(rid, n + 1 + k):
+                break
+            got = self._run(h, [DraftRequest(rid, ctx, k, 0.0, self.default_gen)])
+            if got is None:
+                break
+            real = list(got[0].tokens[:k])
+            toks = real + [real[-1] if real else ctx[-1]] * (k - len(real))  # filler: verified, never learned
+            cache.reserve(rid, n + 1 + k)
+            rows = self.runner.step(cache, [SeqChunk(rid, [ctx[-1], *toks], all_logits=True, hidden_only=True)])
+            new, acc, _ = accept_greedy_blocks([toks], rows, self.runner.head)[0]
+            cache.truncate(rid, k - acc)
+            done += 1
+            if done == 1:  # the first step pays for the change of shape: the rest time a step of this width
+                t_second = time.perf_counter()
+            n += 1 + acc
+            ctx += new
+            out += new
+            self._tell(h, "commit", rid, n)
+            used = min(acc, len(real))
+            if real:
+                h.stats.drafts, h.stats.steps = h.stats.drafts + 1, h.stats.steps + 1
+                h.stats.draft_tokens += len(real)
+                h.stats.accepted_tokens += used
+            if stops.intersection(new):
+                break
+        if done > 1:
+            self._learn_ms(1 + k, (time.perf_counter() - t_second) * 1e3 / (done - 1))
+        if done:
+            self.copy_runs += 1
+            self.prev_rows = 1 + k
+        return out, done
+
+    def ran(self, batch_rows: int, forward_ms: float = 0.0, steps: int = 0) -> None:
+        """The engine ran a greedy run (one row per sequence a step, ``steps`` in ``forward_ms``): the next step
+        proposes."""
         self._ran = True
+        if batch_rows == 1 and steps > 1:  # a step's time at a steady shape: a change of shape is priced apart
+            changed = self.change_ms if self.prev_rows != 1 else 0.0
+            self._learn_ms(1, max(forward_ms - changed, 0.5 * forward_ms) / steps)
         self.prev_rows = batch_rows
+
+    def _learn_ms(self, rows: int, ms: float) -> None:
+        """A step of ``rows`` rows (one sequence) measured at ``ms``: smoothed, a spell of the machine's
+        (more than twice the estimate) counted as twice."""
+        old = self._copy_ms.get(rows)
+        self._copy_ms[rows] = ms if old is None else old + 0.2 * (min(ms, 2.0 * old) - old)
 
     def note_rows(self, rid: str, rows: torch.Tensor) -> None:
         """The target's output rows (hidden states or raw logits) [n, ...] of request ``rid``'s tokens
@@ -280,3 +393,5 @@ class SpecDecoder(Proposer, Learner, Calibration):
         if not finished and d.drafted:
             self._tell(d.handle, "commit", seq.request_id, seq.num_computed)
         self._learn(seq, d, verdict.accepted)
+        if not d.handle.probe and d.drafted and 2 * verdict.accepted >= d.drafted and len(prop.dec) == 1:
+            self._model_held = True
