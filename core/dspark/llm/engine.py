@@ -123,7 +123,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         if self.spec is not None:
-            self.spec.release(request_id)
+            self.spec.release(request_id, seq.all_ids)
         return self._output(seq)
 
     def abort_all(self) -> None:
@@ -154,9 +154,9 @@ class LLMEngine:
         way = spec.lone_plan(planned, self._run.budget_ms) if spec is not None and not self.scheduler.waiting \
             else None  # a lone greedy request: a greedy run, or a copy run of k drafted tokens a step
         if way is not None:
-            k, n = way[0], min(way[1], MAX_RUN)
+            src, k, n = way[0], way[1], min(way[2], MAX_RUN)
             if k:
-                ran = self._step_copy(planned[0], k, n, t0, finished_only)
+                ran = self._step_copy(planned[0], src, k, n, t0, finished_only)
                 if ran is not None:
                     return ran
             else:
@@ -222,7 +222,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 del self._seqs[seq.request_id]
                 if spec is not None:
-                    spec.release(seq.request_id)
+                    spec.release(seq.request_id, seq.all_ids)
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += 1
@@ -255,17 +255,17 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 del self._seqs[seq.request_id]
                 if self.spec is not None:
-                    self.spec.release(seq.request_id)
+                    self.spec.release(seq.request_id, seq.all_ids)
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += steps
         self.scheduler.record_step(step_ms / steps)  # the batch limit adapts to a step's time, not a run's
         return outputs
 
-    def _step_copy(self, p: ScheduledChunk, k: int, steps: int, t0: float,
+    def _step_copy(self, p: ScheduledChunk, src: int, k: int, steps: int, t0: float,
                    finished_only: bool) -> list[RequestOutput] | None:
         """A copy run (``SpecDecoder.copy_run``): up to ``steps`` verification steps of one greedy request, each
-        of ``k`` tokens drafted by prompt lookup, in one engine step; the tokens appended through the stop
+        of ``k`` tokens drafted by lookup ``src`` (a lookup of its replay), in one engine step; the tokens appended through the stop
         checks as a step's are. None when it ran no step (the caller proposes instead)."""
         assert self.spec is not None
         seq = p.seq
@@ -273,7 +273,7 @@ class LLMEngine:
         if limits is None:
             return None
         t_fwd = time.perf_counter()
-        toks, steps = self.spec.copy_run(seq, k, steps, limits[0], stop_ids([p], self.eos_ids))
+        toks, steps = self.spec.copy_run(seq, src, k, steps, limits[0], stop_ids([p], self.eos_ids))
         if not steps:
             return None
         self._forward_ms += (time.perf_counter() - t_fwd) * 1e3
@@ -282,7 +282,7 @@ class LLMEngine:
         outputs = [self._output(seq)] if not finished_only or seq.status is Status.FINISHED else []
         if seq.status is Status.FINISHED:
             del self._seqs[seq.request_id]
-            self.spec.release(seq.request_id)
+            self.spec.release(seq.request_id, seq.all_ids)
         step_ms = (time.perf_counter() - t0) * 1e3
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += steps

@@ -1,5 +1,5 @@
 """DeepSpec's copy runs for a lone greedy request (llm/speculative/decoder.py, ``lone_plan`` and ``copy_run``):
-several verification steps drafted by prompt lookup at one width in one engine step, on OpenVINO (the ``cpu``
+several verification steps drafted by one lookup (prompt lookup, suffix lookup) at one width in one engine step, on OpenVINO (the ``cpu``
 plugin, paged) and llama.cpp (its own KV per sequence). They give exactly plain decoding's tokens, text and
 finish reasons however a request ends, and are taken where the replay of the request's text says copy steps
 cost less a token. Which way is cheaper follows from step times, so the tests fix them (recorded costs, not
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from decoder_testutil import float_engine
-from test_greedy_runs import DECODERS, PROMPTS, RUN_MS, _drive
+from test_greedy_runs import DECODERS, PROMPTS, _drive
 
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
@@ -20,6 +20,7 @@ from dspark.llm.sampling import SamplingParams
 LOOP = "    x = x + 1\n" * 12  # a text the model may copy from, and the README's
 FLAT: Callable[[int], float] = lambda rows: 1.0 + 0.02 * rows  # noqa: E731  a wide step costs little more
 STEEP: Callable[[int], float] = lambda rows: float(rows) ** 2  # noqa: E731  no copy step can pay
+RUN_MS = 8.0  # a run's budget: at the fixed step costs, 7 steps a run (and a greedy run at most 8)
 
 
 def _engine(decoder: str, costs: Callable[[int], float] | None, monkeypatch: pytest.MonkeyPatch,
@@ -67,8 +68,10 @@ def test_copy_runs_end_where_plain_decoding_ends(decoder: str, monkeypatch: pyte
     assert ref["stop-token"][2] == "stop" and len(ref["stop-token"][0]) < 40
     assert ref["stop-string"][2] == "stop" and len(ref["stop-string"][0]) < 40
     assert e.spec is not None and e.spec.copy_runs > 0
-    lookup = e.stats().spec_drafters["prompt-lookup"]
-    assert lookup["accepted_tokens"] > 0
+    drafters = e.stats().spec_drafters
+    assert drafters["prompt-lookup"]["accepted_tokens"] > 0
+    # The loop's prompt comes back: suffix lookup holds the first request's text, and copies from it.
+    assert drafters["suffix-lookup"]["accepted_tokens"] > 0, str(drafters["suffix-lookup"])
     s = e.stats()
     assert s.steps * 2 < s.forward_steps  # copy and greedy runs: several decoder steps an engine step
     assert e.runner.failovers == []

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dspark.builtin.prompt_lookup import PromptLookupDrafter
+from dspark.builtin.suffix import SuffixDrafter
 from dspark.host.plugin_manager import PluginHost
 from dspark.llm.speculative.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
@@ -174,10 +175,15 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._explore_gap = _EXPLORE_FIRST
         self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
         self._ran = False  # the last engine step was a greedy run: the next one proposes
-        # Copy runs (lone_plan, copy_run): the prompt-lookup drafter, each lone request's replay, a step's
+        # Copy runs (lone_plan, copy_run): the lookups, each lone request's replay, a step's
         # measured time by its rows, stretches decided, whether a model drafter's last draft held.
-        self._lookup = next((h for h in self.handles if isinstance(h.obj, PromptLookupDrafter)), None)
+        # The built-in lookups a replay follows: prompt lookup first (none without it), then suffix lookup.
+        self._lookups = [h for cls in (PromptLookupDrafter, SuffixDrafter) for h in self.handles
+                         if isinstance(h.obj, cls)]
+        if not self._lookups or not isinstance(self._lookups[0].obj, PromptLookupDrafter):
+            self._lookups = []
         self._replays: dict[str, Replay] = {}
+        self._replay_lookups: dict[str, list[Handle]] = {}  # per request, its replay's lookups by index
         self._copy_ms: dict[int, float] = {}
         self._stretches = 0
         self._model_held = False
@@ -197,11 +203,17 @@ class SpecDecoder(Proposer, Learner, Calibration):
         log.info("spec.ready", strategy=self.strategy, drafters=[h.name for h in self.handles],
                  fixed=self.fixed.name if self.fixed else None)
 
-    def release(self, rid: str) -> None:
-        """Forget a finished or aborted request, here and in every drafter."""
+    def release(self, rid: str, ids: list[int] | None = None) -> None:
+        """Forget a finished or aborted request, here and in every drafter; ``ids``, its prompt and outputs, are
+        shown to the lookups a replay follows first (suffix lookup stores the text it was last asked about,
+        and runs of steps do not ask it)."""
+        if ids is not None and rid in self._replays:
+            for h in self._replay_lookups.get(rid, [])[1:]:
+                self._run(h, [DraftRequest(rid, ids, 0)])
         self.reqs.pop(rid, None)
         self.rows.pop(rid, None)
         self._replays.pop(rid, None)
+        self._replay_lookups.pop(rid, None)
         for h in self.handles:
             self._tell(h, "release", rid)
 
@@ -218,15 +230,15 @@ class SpecDecoder(Proposer, Learner, Calibration):
             return 0
         return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
 
-    def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float) -> tuple[int, int] | None:
-        """How a lone plain greedy decode goes on now (docs/decoders.md, "Copy runs"): (0, n), a greedy run of
-        n steps; (k, n), a copy run of n steps of k drafted tokens (``copy_run``); None, a proposal as usual.
-        The request's text is replayed (``runs.replay``) and the way that would have cost least over it is
-        taken, at the steps' measured times; n steps fit in ``budget_ms`` (``EngineConfig.decode_run_ms``;
-        0: no runs; the engine caps n). Every ``PROPOSE_EVERY``th stretch, and after a model drafter's draft held, a proposal
-        lets DeepSpec's other drafters show."""
-        lookup = self._lookup
-        if self.strategy != "deepspec" or lookup is None or lookup.disabled or len(planned) != 1 \
+    def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float) -> tuple[int, int, int] | None:
+        """How a lone plain greedy decode goes on now (docs/decoders.md, "Copy runs"): (lookup, k, n), a copy run
+        of n steps of k tokens drafted by that lookup (``copy_run``; k 0: a greedy run of n steps); None, a
+        proposal as usual. The request's text is replayed (``runs.replay``) and the way that would have cost
+        least over it is taken, at the steps' measured times; n steps fit in ``budget_ms``
+        (``EngineConfig.decode_run_ms``; 0: no runs; the engine caps n). Every ``PROPOSE_EVERY``th stretch,
+        and after a model drafter's draft held, a proposal lets DeepSpec's other drafters show."""
+        lookups = [h for h in self._lookups if h.disabled is None]
+        if self.strategy != "deepspec" or not lookups or lookups[0] is not self._lookups[0] or len(planned) != 1 \
                 or self.rows_wanted or budget_ms <= 0:
             return None
         p = planned[0]
@@ -236,8 +248,11 @@ class SpecDecoder(Proposer, Learner, Calibration):
             return None
         rep = self._replays.get(s.request_id)
         if rep is None:
-            obj = lookup.obj
-            rep = self._replays[s.request_id] = Replay(s.prompt_ids, obj.min_ngram, obj.max_ngram)
+            first = lookups[0].obj
+            rep = self._replays[s.request_id] = Replay(
+                s.prompt_ids, first.min_ngram, first.max_ngram,
+                [lambda ids, k, d=h.obj: list(d.propose(ids, k).tokens) for h in lookups[1:]])
+            self._replay_lookups[s.request_id] = lookups
         rep.catch_up(s.all_ids)
         if self._model_held:
             self._model_held = False
@@ -246,8 +261,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
         if self._stretches % PROPOSE_EVERY == 0:
             return None
         way = rep.choose(self._step_ms, self.change_ms)
-        k = 0 if way is None else way  # too little text replayed: plain steps are the cheapest way to more
-        return k, max(1, int(budget_ms / self._step_ms(1 + k)))
+        src, k = (0, 0) if way is None else way  # too little replayed: plain steps are the cheapest way to more
+        return src, k, max(1, int(budget_ms / self._step_ms(1 + k)))
 
     def _step_ms(self, rows: int) -> float:
         """A step of one sequence of ``rows`` rows: as measured (copy runs; greedy runs for one row), else the
@@ -261,15 +276,15 @@ class SpecDecoder(Proposer, Learner, Calibration):
         model = self.verify_cost.predict(verify_x(1, rows - 1, 1, 0))
         return self._copy_ms.get(1, one) * model / one
 
-    def copy_run(self, seq: Sequence, k: int, steps: int, left: int, stops: frozenset[int]) -> tuple[list[int], int]:
-        """Up to ``steps`` verification steps of ``seq``, each drafted by prompt lookup alone and padded to
-        ``k`` drafted tokens (one shape all through), judged greedily, the rejected rows rolled back. Ends
+    def copy_run(self, seq: Sequence, src: int, k: int, steps: int, left: int,
+                 stops: frozenset[int]) -> tuple[list[int], int]:
+        """Up to ``steps`` verification steps of ``seq``, each drafted by lookup ``src`` of its replay alone
+        and padded to ``k`` drafted tokens (one shape all through), judged greedily, the rejected rows rolled back. Ends
         early at a token of ``stops``, or where fewer than ``k`` tokens are left to draft before ``left`` are
         out (the shape would change). Returns the tokens plain greedy decoding would have produced, in order
         (the engine appends them through its stop checks), and the steps run."""
-        h = self._lookup
-        assert h is not None
         rid, cache = seq.request_id, self.cache
+        h = self._replay_lookups[rid][src]
         ctx = list(seq.all_ids)
         n = seq.num_computed
         k = min(k, self._cap(seq))

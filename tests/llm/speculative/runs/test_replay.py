@@ -4,6 +4,7 @@ fixed width would have made of it, and the way of decoding the next stretch it p
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -12,13 +13,18 @@ from dspark.llm.speculative.runs.replay import DECAY, KS, MIN_TOKENS, STRETCH_TO
 
 
 def _steps(prompt: list[int], out: list[int], k: int) -> list[int]:
-    """Tokens each copy step of k drafted tokens makes over ``out``, from the drafter itself (its scan of
-    the whole context, not the replay's index): the draft from the text so far, accepted up to its first
+    """Tokens each copy step of k tokens drafted by prompt lookup makes over ``out``, from the drafter itself
+    (its scan of the whole context, not the replay's index)."""
+    drafter = PromptLookupDrafter()
+    return _steps_of(lambda ids: list(drafter.propose(ids, k).tokens), prompt, out)
+
+
+def _steps_of(draft: Callable[[list[int]], list[int]], prompt: list[int], out: list[int]) -> list[int]:
+    """Tokens each copy step makes over ``out``: ``draft`` from the text so far, accepted up to its first
     token unlike the text, then the target's token; a step whose target token is not out yet is left."""
     ctx, made, p = list(prompt), [], 0
-    drafter = PromptLookupDrafter()
     while True:
-        d = drafter.propose(ctx + out[:p], k).tokens
+        d = draft(ctx + out[:p])
         j = 0
         while j < len(d) and p + j < len(out) and d[j] == out[p + j]:
             j += 1
@@ -61,6 +67,25 @@ def test_the_replay_counts_what_copy_steps_would_have_made(text: int) -> None:
     assert len(whole.drafts) <= max(KS) + 1  # drafts behind every way are dropped
 
 
+def test_another_lookup_is_replayed_beside_prompt_lookup() -> None:
+    """A store holding the text to come (suffix lookup after an earlier request said the same): its ways
+    make all their drafted tokens a step, prompt lookup's do not, and the store's widest way is chosen."""
+    prompt, out = list(range(20)), [random.Random(3).randrange(100, 140) for _ in range(80)]
+    store = prompt + out
+
+    def lookup(ids: list[int], k: int) -> list[int]:
+        return store[len(ids):len(ids) + k]
+
+    rep = Replay(prompt, others=[lookup])
+    rep.catch_up(prompt + out)
+    by = {(w.src, w.k): w for w in rep.ways}
+    for k in KS:
+        tokens, steps = _decayed(_steps_of(lambda ids, k=k: lookup(ids, k), prompt, out))
+        assert (by[1, k].tokens, by[1, k].steps) == pytest.approx((tokens, steps))
+        assert by[1, k].tokens / by[1, k].steps > by[0, k].tokens / by[0, k].steps
+    assert rep.choose(lambda rows: 1.0 + 0.05 * rows) == (1, max(KS))
+
+
 def test_it_chooses_copy_steps_where_they_cost_less_a_token() -> None:
     prompt, out = _texts()[1]
     rep = Replay(prompt)
@@ -68,17 +93,17 @@ def test_it_chooses_copy_steps_where_they_cost_less_a_token() -> None:
     assert rep.tokens < MIN_TOKENS and rep.choose(lambda rows: 1.0) is None  # too little replayed yet
     rep.catch_up(prompt + out)
     # A wider step costing little more, a looping text: the widest way makes the most tokens a step.
-    assert rep.choose(lambda rows: 1.0 + 0.05 * rows) == max(KS)
+    assert rep.choose(lambda rows: 1.0 + 0.05 * rows) == (0, max(KS))
     # A step costing as much a row as a step of one row: no copy step makes that many tokens a step.
-    assert rep.choose(lambda rows: float(rows) ** 2) == 0
-    assert rep.choose(lambda rows: float(rows)) == 0  # at best as dear a token: plain, the way it is on
+    assert rep.choose(lambda rows: float(rows) ** 2) == (0, 0)
+    assert rep.choose(lambda rows: float(rows)) == (0, 0)  # at best as dear a token: plain, the way it is on
 
 
 def test_text_with_little_to_copy_stays_plain() -> None:
     prompt, out = _texts()[0]
     rep = Replay(prompt)
     rep.catch_up(prompt + out)
-    assert rep.choose(lambda rows: 1.0 + 0.2 * (rows - 1)) == 0
+    assert rep.choose(lambda rows: 1.0 + 0.2 * (rows - 1)) == (0, 0)
 
 
 def test_a_change_of_way_pays_for_the_change_of_shape() -> None:
@@ -87,12 +112,12 @@ def test_a_change_of_way_pays_for_the_change_of_shape() -> None:
     rep.catch_up(prompt + out)
     cost = lambda rows: 1.0 + 0.1 * (rows - 1)  # noqa: E731
     best = rep.choose(cost)
-    assert best > 0
-    per_token = {w.k: cost(1 + w.k) * w.steps / w.tokens for w in rep.ways}
+    assert best is not None and best[1] > 0
+    per_token = {(w.src, w.k): cost(1 + w.k) * w.steps / w.tokens for w in rep.ways}
     gain = cost(1) - per_token[best]
     # Back on plain steps, a change costing more than the gain over a stretch keeps them plain...
-    rep.way = 0
-    assert rep.choose(cost, change_ms=1.01 * gain * STRETCH_TOKENS) == 0
+    rep.way = (0, 0)
+    assert rep.choose(cost, change_ms=1.01 * gain * STRETCH_TOKENS) == (0, 0)
     # ... and one costing less does not.
-    rep.way = 0
+    rep.way = (0, 0)
     assert rep.choose(cost, change_ms=0.99 * gain * STRETCH_TOKENS) == best

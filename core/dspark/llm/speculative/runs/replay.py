@@ -1,19 +1,20 @@
-"""Which way a lone greedy request decodes its next stretch: plain greedy steps, or copy steps of k drafted
-tokens (prompt lookup at a fixed width), judged on what each would have cost over the text it just produced.
+"""Which way a lone greedy request decodes its next stretch: plain greedy steps, or copy steps of k tokens
+drafted by one lookup (prompt lookup, or a store of earlier requests' text) at a fixed width, judged on what
+each would have cost over the text the request just produced.
 
 One request at a time, a verification step's shape and the per-step choice weigh most: a step of 1 + k rows
 costs little more than a step of one row once its shape holds, and a change of shape, or the choice itself,
 costs as much as a whole step of a small model. Greedy verification keeps exactly the tokens plain decoding
-makes, so once tokens are out, what prompt lookup would have done over them is known exactly, whichever way
-they were made: at each step's start p, the lookup's draft of k tokens from the text before p is accepted up
-to its first token unlike the text, and the target adds one. ``Replay`` goes over every token a request
-produces, for each k of ``KS``, and keeps decayed counts of the tokens and steps each would have taken;
-``choose`` picks the way whose steps would have cost least per token at the widths' measured step costs.
+makes, so once tokens are out, what a lookup would have done over them is known exactly, whichever way they
+were made: at each step's start p, the lookup's draft of k tokens from the text before p is accepted up to
+its first token unlike the text, and the target adds one. ``Replay`` goes over every token a request
+produces, for each lookup and each k of ``KS``, and keeps decayed counts of the tokens and steps each would
+have taken; ``choose`` picks the way whose steps would have cost least per token at the measured step costs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dspark.builtin.prompt_lookup import NgramIndex
@@ -23,11 +24,16 @@ DECAY = 0.98  # per token replayed: the recent text counts (half-life about 35 t
 MIN_TOKENS = 12.0  # replayed tokens before the replay decides
 STRETCH_TOKENS = 16.0  # tokens a stretch makes, about: what a change of way is spread over
 
+# A lookup other than the request's own prompt lookup: (the text so far, k) -> its draft of up to k tokens.
+Lookup = Callable[[list[int], int], list[int]]
+
 
 @dataclass
 class _Way:
-    """Copy steps of ``k`` drafted tokens, replayed: where its next step starts, decayed tokens and steps."""
+    """Copy steps of ``k`` tokens drafted by lookup ``src``, replayed: where its next step starts, decayed
+    tokens and steps."""
 
+    src: int
     k: int
     pos: int
     tokens: float = 0.0
@@ -41,15 +47,19 @@ class _Way:
 
 
 class Replay:
-    """One request's replay. ``ids`` are its prompt then its outputs; the replay starts at its first output."""
+    """One request's replay. ``ids`` are its prompt then its outputs; the replay starts at its first output.
+    Lookup 0 is prompt lookup in the request's own text (n-grams of ``min_ngram`` to ``max_ngram`` tokens,
+    the ``prompt-lookup`` drafter's rule); ``others`` are lookups 1, 2, ..."""
 
-    def __init__(self, prompt: list[int], min_ngram: int = 1, max_ngram: int = 3) -> None:
+    def __init__(self, prompt: list[int], min_ngram: int = 1, max_ngram: int = 3,
+                 others: Sequence[Lookup] = ()) -> None:
         self.index = NgramIndex(min_ngram, max_ngram)
         self.index.extend(list(prompt))
+        self.others = list(others)
         self.start = len(prompt)
-        self.ways = [_Way(k, self.start) for k in KS]
-        self.drafts: dict[int, list[int]] = {}  # position -> the lookup's draft from the text before it
-        self.way = 0  # the way last chosen (drafted tokens a step; 0: plain)
+        self.ways = [_Way(src, k, self.start) for src in range(1 + len(self.others)) for k in KS]
+        self.drafts: dict[int, list[list[int]]] = {}  # position -> each lookup's draft from the text before it
+        self.way: tuple[int, int] = (0, 0)  # the way last chosen: (lookup, drafted tokens a step); k 0: plain
 
     @property
     def tokens(self) -> float:
@@ -59,12 +69,12 @@ class Replay:
         """Replay the tokens of ``ids`` not replayed yet."""
         kmax = KS[-1]
         for p in range(len(self.index.toks), len(ids)):
-            self.drafts[p] = self.index.lookup(kmax)[0]
+            self.drafts[p] = [self.index.lookup(kmax)[0], *(f(ids[:p], kmax) for f in self.others)]
             self.index.extend([ids[p]])
         end = len(ids)
         for w in self.ways:
             while w.pos < end:
-                d = self.drafts[w.pos][:w.k]
+                d = self.drafts[w.pos][w.src][:w.k]
                 j = 0
                 while j < len(d) and w.pos + j < end and d[j] == ids[w.pos + j]:
                     j += 1
@@ -75,21 +85,23 @@ class Replay:
         for p in [p for p in self.drafts if p < low]:
             del self.drafts[p]
 
-    def choose(self, step_ms: Callable[[int], float], change_ms: float = 0.0) -> int | None:
-        """Drafted tokens per step for the next stretch (0: plain greedy steps), at ``step_ms(rows)`` a step of
-        one sequence of that many rows; a way other than the last one chosen also pays ``change_ms`` (a change
-        of the step's shape) over a stretch's tokens. None while too little is replayed."""
+    def choose(self, step_ms: Callable[[int], float], change_ms: float = 0.0) -> tuple[int, int] | None:
+        """The way of the next stretch, (lookup, drafted tokens a step; 0: plain greedy steps), at
+        ``step_ms(rows)`` a step of one sequence of that many rows; a way other than the last one chosen also
+        pays ``change_ms`` (a change of the step's shape) over a stretch's tokens. None while too little is
+        replayed."""
         if self.tokens < MIN_TOKENS:
             return None
         per_switch = change_ms / STRETCH_TOKENS
+        last_rows = 1 + self.way[1]
 
-        def cost(k: int, per_token: float) -> float:
-            return per_token + (per_switch if k != self.way else 0.0)
+        def cost(rows: int, per_token: float) -> float:
+            return per_token + (per_switch if rows != last_rows else 0.0)
 
-        best, low = 0, cost(0, step_ms(1))
+        best, low = (0, 0), cost(1, step_ms(1))
         for w in self.ways:
-            c = cost(w.k, step_ms(1 + w.k) * w.steps / w.tokens)
+            c = cost(1 + w.k, step_ms(1 + w.k) * w.steps / w.tokens)
             if c < low:
-                best, low = w.k, c
+                best, low = (w.src, w.k), c
         self.way = best
         return best
