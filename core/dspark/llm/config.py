@@ -222,7 +222,8 @@ class EngineConfig(BaseModel):
         8.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13: "
         "llama.cpp's, OpenVINO's): while every running request is plain greedy decoding and none waits, as many steps as "
         "fit in about this many milliseconds (at most 32), the engine's own work paid once per run; a request "
-        "arriving meanwhile waits at most about this long to be admitted; 0 = one step per call")
+        "arriving meanwhile waits at most about this long to be admitted; with DeepSpec, a lone greedy request's copy "
+        "runs (lookup-drafted verification steps) take the same budget; 0 = one step per call")
     devices: str | None = Field(
         None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
         "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")

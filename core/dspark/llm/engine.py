@@ -265,8 +265,8 @@ class LLMEngine:
     def _step_copy(self, p: ScheduledChunk, src: int, k: int, steps: int, t0: float,
                    finished_only: bool) -> list[RequestOutput] | None:
         """A copy run (``SpecDecoder.copy_run``): up to ``steps`` verification steps of one greedy request, each
-        of ``k`` tokens drafted by lookup ``src`` (a lookup of its replay), in one engine step; the tokens appended through the stop
-        checks as a step's are. None when it ran no step (the caller proposes instead)."""
+        of ``k`` tokens drafted by lookup ``src`` of its replay, in one engine step; the tokens appended through
+        the stop checks as a step's are. None when it ran no step (the caller proposes instead)."""
         assert self.spec is not None
         seq = p.seq
         limits = run_limits([p], 1 << 30, self.max_model_len)  # the tokens it may still take

@@ -66,6 +66,7 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0  # accepted tokens per draft
     spec_drafter_failures: int = 0
     spec_explore_steps: int = 0  # drafts DeepSpec made only to re-measure drafting costs
+    spec_copy_runs: int = 0  # engine steps that ran a lone request's copy run (docs/decoders.md, "Copy runs")
     spec_calibration_error: float | None = None  # the acceptance predictor's expected calibration error
     spec_drafters: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, per drafter
     # Where a step's time goes: the decoder's forward, and the engine's own host work around it

@@ -1,9 +1,9 @@
 """DeepSpec's copy runs for a lone greedy request (llm/speculative/decoder.py, ``lone_plan`` and ``copy_run``):
-several verification steps drafted by one lookup (prompt lookup, suffix lookup) at one width in one engine step, on OpenVINO (the ``cpu``
-plugin, paged) and llama.cpp (its own KV per sequence). They give exactly plain decoding's tokens, text and
-finish reasons however a request ends, and are taken where the replay of the request's text says copy steps
-cost less a token. Which way is cheaper follows from step times, so the tests fix them (recorded costs, not
-this machine's): no test here depends on how fast the machine steps."""
+several verification steps drafted by one lookup (prompt lookup, suffix lookup) at one width in one engine
+step, on OpenVINO (the ``cpu`` plugin, paged) and llama.cpp (its own KV per sequence). They give exactly plain
+decoding's tokens, text and finish reasons however a request ends, and are taken where the replay of the
+request's text says copy steps cost less a token. Which way is cheaper follows from step times, so the tests
+fix them (recorded costs, not this machine's): no test here depends on how fast the machine steps."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _engine(decoder: str, costs: Callable[[int], float] | None, monkeypatch: pyt
     return e
 
 
-def _one_at_a_time(e: LLMEngine, reqs: dict[str, tuple[str, SamplingParams]]) -> dict[str, tuple[list[int], str, str | None]]:
+def _one_at_a_time(e: LLMEngine,
+                   reqs: dict[str, tuple[str, SamplingParams]]) -> dict[str, tuple[list[int], str, str | None]]:
     """Each request run alone to its end (copy runs are for a lone request), tokens, text and finish reason;
     its streamed text checked against its final one."""
     out = {}
@@ -67,7 +68,7 @@ def test_copy_runs_end_where_plain_decoding_ends(decoder: str, monkeypatch: pyte
     assert got == ref
     assert ref["stop-token"][2] == "stop" and len(ref["stop-token"][0]) < 40
     assert ref["stop-string"][2] == "stop" and len(ref["stop-string"][0]) < 40
-    assert e.spec is not None and e.spec.copy_runs > 0
+    assert e.spec is not None and e.stats().spec_copy_runs == e.spec.copy_runs > 0
     drafters = e.stats().spec_drafters
     assert drafters["prompt-lookup"]["accepted_tokens"] > 0
     # The loop's prompt comes back: suffix lookup holds the first request's text, and copies from it.

@@ -175,16 +175,17 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._explore_gap = _EXPLORE_FIRST
         self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
         self._ran = False  # the last engine step was a greedy run: the next one proposes
-        # Copy runs (lone_plan, copy_run): the lookups, each lone request's replay, a step's
-        # measured time by its rows, stretches decided, whether a model drafter's last draft held.
-        # The built-in lookups a replay follows: prompt lookup first (none without it), then suffix lookup.
+        # Copy runs (lone_plan, copy_run). The built-in lookups a replay follows: prompt lookup first (no
+        # copy runs without it), then suffix lookup; each lone request's replay and its lookups by index;
+        # a lone sequence's step time by its rows, measured; stretches decided; whether a model
+        # drafter's last draft held.
         self._lookups = [h for cls in (PromptLookupDrafter, SuffixDrafter) for h in self.handles
                          if isinstance(h.obj, cls)]
         if not self._lookups or not isinstance(self._lookups[0].obj, PromptLookupDrafter):
             self._lookups = []
         self._replays: dict[str, Replay] = {}
-        self._replay_lookups: dict[str, list[Handle]] = {}  # per request, its replay's lookups by index
-        self._copy_ms: dict[int, float] = {}
+        self._replay_lookups: dict[str, list[Handle]] = {}
+        self._step_times: dict[int, float] = {}
         self._stretches = 0
         self._model_held = False
         self.copy_runs = 0
@@ -267,22 +268,22 @@ class SpecDecoder(Proposer, Learner, Calibration):
     def _step_ms(self, rows: int) -> float:
         """A step of one sequence of ``rows`` rows: as measured (copy runs; greedy runs for one row), else the
         verify cost model's (calibrated at startup) ratio to a one-row step, times a measured one-row step."""
-        got = self._copy_ms.get(rows)
+        got = self._step_times.get(rows)
         if got is not None:
             return got
         one = self.verify_cost.predict(verify_x(1, 0, 0, 0))
         if rows == 1 or one <= 0:
             return max(one, 1e-3)
         model = self.verify_cost.predict(verify_x(1, rows - 1, 1, 0))
-        return self._copy_ms.get(1, one) * model / one
+        return self._step_times.get(1, one) * model / one
 
     def copy_run(self, seq: Sequence, src: int, k: int, steps: int, left: int,
                  stops: frozenset[int]) -> tuple[list[int], int]:
         """Up to ``steps`` verification steps of ``seq``, each drafted by lookup ``src`` of its replay alone
-        and padded to ``k`` drafted tokens (one shape all through), judged greedily, the rejected rows rolled back. Ends
-        early at a token of ``stops``, or where fewer than ``k`` tokens are left to draft before ``left`` are
-        out (the shape would change). Returns the tokens plain greedy decoding would have produced, in order
-        (the engine appends them through its stop checks), and the steps run."""
+        and padded to ``k`` drafted tokens (one shape all through), judged greedily, the rejected rows rolled
+        back. Ends early at a token of ``stops``, or where fewer than ``k`` tokens are left to draft before
+        ``left`` are out (the shape would change). Returns the tokens plain greedy decoding would have
+        produced, in order (the engine appends them through its stop checks), and the steps run."""
         rid, cache = seq.request_id, self.cache
         h = self._replay_lookups[rid][src]
         ctx = list(seq.all_ids)
@@ -336,8 +337,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
     def _learn_ms(self, rows: int, ms: float) -> None:
         """A step of ``rows`` rows (one sequence) measured at ``ms``: smoothed, a spell of the machine's
         (more than twice the estimate) counted as twice."""
-        old = self._copy_ms.get(rows)
-        self._copy_ms[rows] = ms if old is None else old + 0.2 * (min(ms, 2.0 * old) - old)
+        old = self._step_times.get(rows)
+        self._step_times[rows] = ms if old is None else old + 0.2 * (min(ms, 2.0 * old) - old)
 
     def note_rows(self, rid: str, rows: torch.Tensor) -> None:
         """The target's output rows (hidden states or raw logits) [n, ...] of request ``rid``'s tokens

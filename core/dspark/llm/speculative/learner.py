@@ -26,6 +26,7 @@ class Learner(DrafterCalls):
     rate: float | None
     spec_steps: int
     explore_steps: int
+    copy_runs: int
 
     verify_cost: VerifyCost
     _make_controller: Callable[[], Controller]  # Calibration's
@@ -103,6 +104,7 @@ class Learner(DrafterCalls):
             "spec_mean_accepted_length": acc / drafts if drafts else 0.0,
             "spec_drafter_failures": self.failures,
             "spec_explore_steps": self.explore_steps,
+            "spec_copy_runs": self.copy_runs,
             "spec_calibration_error": self.predictor.total.error(),
             "spec_drafters": {h.name: {**h.stats.as_dict(), "kind": h.kind, "plugin": h.plugin,
                                        "disabled": h.disabled,

@@ -42,7 +42,7 @@ def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
     total = {k: sum(int(s.get(k, 0)) for s in stats) for k in (
         "kv_used_bytes", "kv_total_bytes", "kv_used_pages", "kv_free_pages", "kv_total_pages", "num_running",
         "num_waiting", "num_preemptions", "effective_max_batch", "spec_drafts", "spec_draft_tokens",
-        "spec_accepted_tokens", "spec_drafter_failures", "spec_explore_steps")}
+        "spec_accepted_tokens", "spec_drafter_failures", "spec_explore_steps", "spec_copy_runs")}
     pages = total["kv_total_pages"]
     drafts, drafted, accepted = total["spec_drafts"], total["spec_draft_tokens"], total["spec_accepted_tokens"]
     return EngineStats(
@@ -54,7 +54,8 @@ def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
         spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
         spec_acceptance_rate=accepted / drafted if drafted else 0.0,
         spec_mean_accepted_length=accepted / drafts if drafts else 0.0,
-        spec_drafter_failures=total["spec_drafter_failures"], spec_explore_steps=total["spec_explore_steps"])
+        spec_drafter_failures=total["spec_drafter_failures"], spec_explore_steps=total["spec_explore_steps"],
+        spec_copy_runs=total["spec_copy_runs"])
 
 
 class Rebuild:
