@@ -72,7 +72,9 @@ __all__ = ["Proposal", "SpecDecoder", "Verdict", "repetitiveness"]
 
 
 IDLE_STEPS = 2  # proposals in a row without a draft before plain stretches run as greedy runs (run_steps)
-PROPOSE_EVERY = 8  # a lone greedy request's stretches: every 8th is a proposal (lone_plan)
+# A lone greedy request's stretches (lone_plan): every 8th is a proposal, the gap doubling up to 64 while
+# no model drafter's draft holds in them.
+PROPOSE_EVERY, PROPOSE_MAX = 8, 64
 
 
 def _rows_wanted(drafter: Any) -> int:
@@ -187,6 +189,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._replay_lookups: dict[str, list[Handle]] = {}
         self._step_times: dict[int, float] = {}
         self._stretches = 0
+        self._propose_gap = PROPOSE_EVERY
+        self._proposed = False
         self._model_held = False
         self.copy_runs = 0
         # Tokens per ms the engine sustains (an EMA over decode steps, wall time): what a drafted
@@ -236,8 +240,9 @@ class SpecDecoder(Proposer, Learner, Calibration):
         of n steps of k tokens drafted by that lookup (``copy_run``; k 0: a greedy run of n steps); None, a
         proposal as usual. The request's text is replayed (``runs.replay``) and the way that would have cost
         least over it is taken, at the steps' measured times; n steps fit in ``budget_ms``
-        (``EngineConfig.decode_run_ms``; 0: no runs; the engine caps n). Every ``PROPOSE_EVERY``th stretch,
-        and after a model drafter's draft held, a proposal lets DeepSpec's other drafters show."""
+        (``EngineConfig.decode_run_ms``; 0: no runs; the engine caps n). A proposal lets DeepSpec's other
+        drafters show every ``PROPOSE_EVERY``th stretch, the gap doubling (to ``PROPOSE_MAX``) after each
+        in which no model drafter's draft held, and again right after one that held."""
         lookups = [h for h in self._lookups if h.disabled is None]
         if self.strategy != "deepspec" or not lookups or lookups[0] is not self._lookups[0] or len(planned) != 1 \
                 or self.rows_wanted or budget_ms <= 0:
@@ -255,11 +260,15 @@ class SpecDecoder(Proposer, Learner, Calibration):
                 [lambda ids, k, d=h.obj: list(d.propose(ids, k).tokens) for h in lookups[1:]])
             self._replay_lookups[s.request_id] = lookups
         rep.catch_up(s.all_ids)
-        if self._model_held:
-            self._model_held = False
+        if self._model_held:  # a model drafter's draft held: propose again, and soon after
+            self._model_held, self._proposed, self._propose_gap = False, False, PROPOSE_EVERY
             return None
+        if self._proposed:  # the last proposal's model drafts did not hold (or none came): wait longer
+            self._proposed = False
+            self._propose_gap = min(2 * self._propose_gap, PROPOSE_MAX)
         self._stretches += 1
-        if self._stretches % PROPOSE_EVERY == 0:
+        if self._stretches >= self._propose_gap:
+            self._stretches, self._proposed = 0, True
             return None
         way = rep.choose(self._step_ms, self.change_ms)
         src, k = (0, 0) if way is None else way  # too little replayed: plain steps are the cheapest way to more
