@@ -214,7 +214,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         and runs of steps do not ask it)."""
         if ids is not None and rid in self._replays:
             for h in self._replay_lookups.get(rid, [])[1:]:
-                self._run(h, [DraftRequest(rid, ids, 0)])
+                self._tell(h, "propose_batch", [DraftRequest(rid, ids, 0)])  # not a draft: no stats, no cost
         self.reqs.pop(rid, None)
         self.rows.pop(rid, None)
         self._replays.pop(rid, None)
