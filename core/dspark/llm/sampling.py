@@ -10,6 +10,7 @@ import json
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -174,7 +175,9 @@ class SamplingParams(BaseModel):
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from fp32 ``logits`` [vocab]."""
+    """One token from fp32 ``logits`` [vocab]: ``distribution``'s, drawn with one uniform number from ``gen``.
+    top_p sorts only the largest probabilities it needs (``_top_p``): torch sorts a row of 8192 in about 0.37
+    ms, far more than the rest of a step's sampling."""
     if p.greedy:
         return int(torch.argmax(logits))
     # Shift by the max first: a tiny temperature then sends the others to -inf, not max to inf (NaN).
@@ -184,13 +187,36 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = (torch.cumsum(sp, 0) - sp) >= p.top_p
-        drop[0] = False  # a top_p that underflows to 0 must still keep the top token
-        sp = sp.masked_fill(drop, 0.0)
-        return int(si[torch.multinomial(sp, 1, generator=gen)])
-    return int(torch.multinomial(probs, 1, generator=gen))
+        kept, ids = _top_p(probs, p.top_p)
+        return int(ids[_draw(kept, gen)])
+    return _draw(probs, gen)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest prefix of ``probs`` [vocab], largest first, whose mass reaches ``top_p`` (always at least
+    one token), and the token ids: the largest 64, then 1024, by ``torch.topk`` while their mass falls
+    short, else every token in numpy's order (a top-k of thousands costs as much as numpy's whole sort)."""
+    n = probs.shape[-1]
+    for k in (64, 1024):
+        if k < n:
+            vals, ids = torch.topk(probs, k)
+            mass = torch.cumsum(vals, 0)
+            if float(mass[-1]) >= top_p:
+                break
+    else:
+        ids = torch.from_numpy(np.argsort(-probs.detach().float().cpu().numpy())).to(probs.device)
+        vals = probs[ids]
+        mass = torch.cumsum(vals, 0)
+    keep = max(1, int(((mass - vals) < top_p).sum()))  # the mass before a kept token is below top_p
+    return vals[:keep], ids[:keep]
+
+
+def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to ``weights`` [n] (not all zero): one uniform number
+    from ``gen`` against their running sum (inverse transform sampling)."""
+    total = torch.cumsum(weights, 0)
+    u = torch.rand((), generator=gen) * total[-1]
+    return min(int(torch.searchsorted(total, u, right=True)), weights.shape[-1] - 1)
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -207,7 +233,9 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sp, si = torch.sort(probs, dim=-1, descending=True)
+        # numpy's sort: torch's takes about 6x as long on the CPU for a row of 8192.
+        si = torch.from_numpy(np.argsort(-probs.detach().float().cpu().numpy(), axis=-1)).to(probs.device)
+        sp = torch.gather(probs, -1, si)
         drop = (torch.cumsum(sp, -1) - sp) >= p.top_p
         drop[..., 0] = False
         probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
