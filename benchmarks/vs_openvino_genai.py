@@ -14,6 +14,9 @@ Workloads (``--only`` takes a comma-separated subset; default all):
                 tokens); GenAI ``ContinuousBatchingPipeline`` (max_num_seqs =
                 the batch, 512 batched tokens a step as dspark's default),
                 dspark ``LLM.generate`` with max_batch_size = the batch
+  batch32-sample  ``batch32`` sampling at temperature 0.8, top_p 0.95 on both
+                sides (GenAI ``do_sample``; the random streams differ, so the
+                tokens do too)
   spec          one at a time, 128 new tokens, prompts that repeat their
                 context (benchmarks/speculative.py's ``code`` and ``edit``
                 prompts from the held-out files): dspark DeepSpec
@@ -115,6 +118,7 @@ WORKLOADS: dict[str, tuple[str, str, int, bool]] = {
     "single": ("main", "float", 1, False),
     "batch8": ("main", "float", 8, False),
     "batch32": ("main", "float", 32, False),
+    "batch32-sample": ("main", "float", 32, False),
     "spec": ("main", "float", 1, True),
     "int8": ("main", "int8", 1, False),
     "int4": ("main", "int4", 1, False),
@@ -124,6 +128,9 @@ WORKLOADS: dict[str, tuple[str, str, int, bool]] = {
     "rand-int4": ("rand", "int4", 1, False),
 }
 NNCF = {"float": "fp32", "int8": "nncf-int8", "int4": "nncf-int4"}  # quant_peer.py's variant names
+# Workloads that sample instead of decoding greedily: (temperature, top_p), the same on both sides (the
+# random streams differ, so the tokens do too).
+SAMPLED = {"batch32-sample": (0.8, 0.95)}
 SPEC_CONTENDERS = ("dspark", "dspark-deepspec", "genai", "genai-lookup", "genai-draft")
 # (dspark contender, peer) pairs reported per workload kind
 SPEC_ROWS = (("dspark-deepspec", "genai-lookup"), ("dspark-deepspec", "genai-draft"),
@@ -157,7 +164,8 @@ def child_dspark(spec: dict[str, Any], contender: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(spec["model"], **kw)
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    temp, top_p = spec.get("sample") or (0.0, 1.0)
+    sp = SamplingParams(max_tokens=n, temperature=temp, top_p=top_p, ignore_eos=True)
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
         if B == 1:
@@ -224,7 +232,9 @@ def child_genai(spec: dict[str, Any], contender: str) -> dict[str, Any]:
     cfg = og.GenerationConfig()
     cfg.max_new_tokens = cfg.min_new_tokens = n
     cfg.ignore_eos = True
-    cfg.do_sample = False
+    cfg.do_sample = bool(spec.get("sample"))
+    if spec.get("sample"):
+        cfg.temperature, cfg.top_p = spec["sample"]
     extra: dict[str, Any] = {}
     if contender == "genai-lookup":
         extra["prompt_lookup"] = True
@@ -506,6 +516,8 @@ def main() -> None:
                              "draft_k": args.draft_k}
         if spec:
             s["genai_draft"] = str(genai_dir(args.draft, "fp32"))
+        if w in SAMPLED:
+            s["sample"] = list(SAMPLED[w])
         has_llama = False
         if batch == 1 and weights == "float" and not spec:
             g, why = gguf_for(model, args.precision)
