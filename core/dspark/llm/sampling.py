@@ -176,7 +176,8 @@ class SamplingParams(BaseModel):
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from fp32 ``logits`` [vocab]: ``distribution``'s, drawn with uniform numbers from ``gen``
-    (one, or a few with top_p), no sort of the vocabulary (torch sorts a row of 8192 in about 0.37 ms)."""
+    (one, or a few with top_p) and no sort of the vocabulary: torch's sort of a row on the CPU cost more than
+    a decode step of a small model at 32 rows (docs/benchmarks.md, decoder targets, "Sampling")."""
     if p.greedy:
         return int(torch.argmax(logits))
     # Shift by the max first: a tiny temperature then sends the others to -inf, not max to inf (NaN).
@@ -226,7 +227,7 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        # numpy's sort: torch's takes about 6x as long on the CPU for a row of 8192.
+        # numpy's sort: torch's is several times slower on the CPU.
         si = torch.from_numpy(np.argsort(-probs.detach().float().cpu().numpy(), axis=-1)).to(probs.device)
         sp = torch.gather(probs, -1, si)
         drop = (torch.cumsum(sp, -1) - sp) >= p.top_p
