@@ -148,26 +148,21 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         spec = self.spec
-        offers = getattr(self.runner, "offers_greedy_steps", None)  # the torch runner runs no greedy runs
-        cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
-        fitted = False  # cap is a run's length already fitted to its time budget
-        way = spec.lone_plan(planned, self._run.budget_ms) if spec is not None and not self.scheduler.waiting \
-            else None  # a lone greedy request: a greedy run, or a copy run of k drafted tokens a step
-        if way is not None:
-            src, k, n = way[0], way[1], min(way[2], MAX_RUN)
-            if k:
-                ran = self._step_copy(planned[0], src, k, n, t0, finished_only)
-                if ran is not None:
-                    return ran
-            else:
-                cap, fitted = n, True
-        if (spec is None or cap) and offers is not None and not self.scheduler.waiting and offers():
-            steps = self._run.steps() if cap is None else cap if fitted else min(cap, self._run.steps())
-            limits = run_limits(planned, steps, self.max_model_len)
-            ran = self._step_run(planned, limits, t0, finished_only) if limits is not None else None
+        # A lone greedy request under DeepSpec: (lookup, k, steps), a copy run of k drafted tokens a step, or
+        # with k 0 a greedy run.
+        lone = spec.lone_plan(planned, self._run.budget_ms) if spec is not None and not self.scheduler.waiting \
+            else None
+        if lone is not None:
+            src, k, n = lone[0], lone[1], min(lone[2], MAX_RUN)
+            ran = self._step_copy(planned[0], src, k, n, t0, finished_only) if k \
+                else self._greedy_run(planned, n, t0, finished_only)
             if ran is not None:
-                if spec is not None:
-                    spec.ran(len(planned), *self._run.last)
+                return ran
+        cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
+        if spec is None or cap:
+            ran = self._greedy_run(planned, self._run.steps() if cap is None else min(cap, self._run.steps()), t0,
+                                   finished_only)
+            if ran is not None:
                 return ran
         prop = spec.propose(planned) if spec is not None else None
         chunks = [self._chunk(p) for p in planned]
@@ -231,11 +226,18 @@ class LLMEngine:
         self.scheduler.record_step(step_ms)
         return outputs
 
-    def _step_run(self, planned: list[ScheduledChunk], limits: list[int], t0: float,
-                  finished_only: bool) -> list[RequestOutput] | None:
-        """A run of greedy decode steps in one decoder call (decoding/runs.py): each planned decode gets up to
-        its limit of tokens, appended through the stop checks as a step's are (tokens past a stop are
-        dropped with the request). None when the decoder did not run it (the caller steps once instead)."""
+    def _greedy_run(self, planned: list[ScheduledChunk], steps: int, t0: float,
+                    finished_only: bool) -> list[RequestOutput] | None:
+        """A run of up to ``steps`` greedy decode steps in one decoder call (decoding/runs.py), where the decoder
+        offers it and nothing waits: each planned decode gets up to its limit of tokens, appended through the
+        stop checks as a step's are (tokens past a stop are dropped with the request). None when it was not
+        run (the caller steps once instead)."""
+        offers = getattr(self.runner, "offers_greedy_steps", None)  # the torch runner runs no greedy runs
+        if offers is None or self.scheduler.waiting or not offers():
+            return None
+        limits = run_limits(planned, steps, self.max_model_len)
+        if limits is None:
+            return None
         chunks = [self._chunk(p) for p in planned]
         t_fwd = time.perf_counter()
         toks = self.runner.greedy_steps(self.cache, chunks, limits, stop_ids(planned, self.eos_ids))
@@ -243,8 +245,32 @@ class LLMEngine:
             return None
         fwd_ms = (time.perf_counter() - t_fwd) * 1e3
         steps = max(map(len, toks))
-        self._forward_ms += fwd_ms
         self._run.observe(fwd_ms, steps)
+        if self.spec is not None:
+            self.spec.ran(len(planned), fwd_ms, steps)
+        return self._emit_run(planned, toks, t0, fwd_ms, steps, finished_only)
+
+    def _step_copy(self, p: ScheduledChunk, src: int, k: int, steps: int, t0: float,
+                   finished_only: bool) -> list[RequestOutput] | None:
+        """A copy run (``SpecDecoder.copy_run``): up to ``steps`` verification steps of one greedy request, each
+        of ``k`` tokens drafted by lookup ``src`` of its replay, in one engine step; the tokens appended through
+        the stop checks as a step's are. None when it ran no step (the caller proposes instead)."""
+        assert self.spec is not None
+        limits = run_limits([p], 1 << 30, self.max_model_len)  # the tokens it may still take
+        if limits is None:
+            return None
+        t_fwd = time.perf_counter()
+        toks, steps = self.spec.copy_run(p.seq, src, k, steps, limits[0], stop_ids([p], self.eos_ids))
+        if not steps:
+            return None
+        return self._emit_run([p], [toks], t0, (time.perf_counter() - t_fwd) * 1e3, steps, finished_only)
+
+    def _emit_run(self, planned: list[ScheduledChunk], toks: list[list[int]], t0: float, fwd_ms: float,
+                  steps: int, finished_only: bool) -> list[RequestOutput]:
+        """A run's tokens (``toks[i]`` for ``planned[i]``, every one fed to the decoder but the last) appended
+        through the stop checks, finished requests released, the outputs, and the run counted as one engine
+        step of ``steps`` decoder steps."""
+        self._forward_ms += fwd_ms
         outputs = []
         for p, got in zip(planned, toks):
             seq = p.seq
@@ -260,33 +286,6 @@ class LLMEngine:
         self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
         self._forward_steps += steps
         self.scheduler.record_step(step_ms / steps)  # the batch limit adapts to a step's time, not a run's
-        return outputs
-
-    def _step_copy(self, p: ScheduledChunk, src: int, k: int, steps: int, t0: float,
-                   finished_only: bool) -> list[RequestOutput] | None:
-        """A copy run (``SpecDecoder.copy_run``): up to ``steps`` verification steps of one greedy request, each
-        of ``k`` tokens drafted by lookup ``src`` of its replay, in one engine step; the tokens appended through
-        the stop checks as a step's are. None when it ran no step (the caller proposes instead)."""
-        assert self.spec is not None
-        seq = p.seq
-        limits = run_limits([p], 1 << 30, self.max_model_len)  # the tokens it may still take
-        if limits is None:
-            return None
-        t_fwd = time.perf_counter()
-        toks, steps = self.spec.copy_run(seq, src, k, steps, limits[0], stop_ids([p], self.eos_ids))
-        if not steps:
-            return None
-        self._forward_ms += (time.perf_counter() - t_fwd) * 1e3
-        seq.num_computed += len(toks)
-        self._append(seq, toks)
-        outputs = [self._output(seq)] if not finished_only or seq.status is Status.FINISHED else []
-        if seq.status is Status.FINISHED:
-            del self._seqs[seq.request_id]
-            self.spec.release(seq.request_id, seq.all_ids)
-        step_ms = (time.perf_counter() - t0) * 1e3
-        self._steps, self._step_ms = self._steps + 1, self._step_ms + step_ms
-        self._forward_steps += steps
-        self.scheduler.record_step(step_ms / steps)
         return outputs
 
     def _append(self, seq: Sequence, toks: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:

@@ -25,10 +25,8 @@ class RunLength:
     def __init__(self, budget_ms: float) -> None:
         self.budget_ms = budget_ms
         self.step_ms: float | None = None  # a decode step's forward, smoothed
-        self.last = (0.0, 0)  # the last observation: forward ms, steps
 
     def observe(self, forward_ms: float, steps: int = 1) -> None:
-        self.last = (forward_ms, steps)
         ms = forward_ms / max(steps, 1)
         self.step_ms = ms if self.step_ms is None else 0.7 * self.step_ms + 0.3 * ms
 

@@ -181,10 +181,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
         # copy runs without it), then suffix lookup; each lone request's replay and its lookups by index;
         # a lone sequence's step time by its rows, measured; stretches decided; whether a model
         # drafter's last draft held.
-        self._lookups = [h for cls in (PromptLookupDrafter, SuffixDrafter) for h in self.handles
-                         if isinstance(h.obj, cls)]
-        if not self._lookups or not isinstance(self._lookups[0].obj, PromptLookupDrafter):
-            self._lookups = []
+        prompt = [h for h in self.handles if isinstance(h.obj, PromptLookupDrafter)][:1]
+        self._lookups = prompt + [h for h in self.handles if isinstance(h.obj, SuffixDrafter)] if prompt else []
         self._replays: dict[str, Replay] = {}
         self._replay_lookups: dict[str, list[Handle]] = {}
         self._step_times: dict[int, float] = {}
