@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # llama-server for benchmarks/vs_llamacpp.py (not in CI): built from the same llama.cpp source as the
-# plugin's llama-cpp-python (the sdist's vendor/llama.cpp), with the same native CPU flags.
+# plugin's llama-cpp-python (the sdist's vendor/llama.cpp, patched as scripts/llamacpp_wheel.sh patches it),
+# with the same native CPU flags.
 #
 # Usage: bash benchmarks/llamacpp_server.sh      (about 15 minutes on 2 cores; prints the binary's path)
 #   LLAMACPP_VERSION=0.3.36  JOBS=2  override the defaults
@@ -16,7 +17,13 @@ mkdir -p "$OUTD/sdist" "$OUTD/src"
 SDIST="$OUTD/sdist/llama_cpp_python-$V.tar.gz"
 [ -f "$SDIST" ] || "$ROOT/.venv/bin/python" -m pip download --quiet --no-deps --no-binary :all: \
   "llama-cpp-python==$V" -d "$OUTD/sdist" >&2
-[ -d "$OUTD/src/llama_cpp_python-$V" ] || tar -xzf "$SDIST" -C "$OUTD/src"
+if [ ! -d "$OUTD/src/llama_cpp_python-$V" ]; then
+  tar -xzf "$SDIST" -C "$OUTD/src"
+  # The same patches as the plugin's build (scripts/llamacpp_wheel.sh), so both run the same kernels.
+  for P in "$ROOT/scripts/patches/llama-cpp-python-$V"/*.patch; do
+    if [ -f "$P" ]; then patch -d "$OUTD/src/llama_cpp_python-$V" -p1 --forward --quiet < "$P"; fi
+  done
+fi
 SRC="$OUTD/src/llama_cpp_python-$V/vendor/llama.cpp"
 cmake -S "$SRC" -B "$OUTD/server-build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \

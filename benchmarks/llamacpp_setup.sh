@@ -40,6 +40,10 @@ fi
 SRC="$OUTD/src/llama_cpp_python-$V"
 if [ ! -d "$SRC" ]; then
   tar -xzf "$SDIST" -C "$OUTD/src"
+  # The plugin's patches (scripts/llamacpp_wheel.sh): without them llama.cpp's AMX kernels fault on AMX CPUs.
+  for P in "$ROOT/scripts/patches/llama-cpp-python-$V"/*.patch; do
+    if [ -f "$P" ]; then patch -d "$SRC" -p1 --forward --quiet < "$P"; fi
+  done
 fi
 
 echo "== venv and build (CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON}, $JOBS jobs)"
@@ -49,7 +53,7 @@ fi
 "$OUTD/venv/bin/python" -m pip install -q --upgrade pip
 if ! "$OUTD/venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-    $NICE "$OUTD/venv/bin/python" -m pip install -v --no-cache-dir "$SDIST" 2>&1 | tail -n 40
+    $NICE "$OUTD/venv/bin/python" -m pip install -v --no-cache-dir "$SRC" 2>&1 | tail -n 40
 fi
 "$OUTD/venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 

@@ -33,7 +33,8 @@ Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_bat
 threads, which the llamacpp plugin's contexts take), f32 KV cache and flash attention off (the plugin's
 settings, needed for its greedy parity with the torch runner; llama-server ``-ctk f32 -ctv f32 -fa off``),
 greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
-engines of up to 8 sequences (not on AMX CPUs), llama.cpp alone as the plugin would for one sequence,
+engines of up to 8 sequences, on AMX CPUs for every engine where its AMX probe passes (the plugin's
+README), llama.cpp alone as the plugin would for one sequence,
 llama-server by its default (on; ``--no-repack`` where the plugin never repacks). Every contender runs in
 a process of its own (OpenMP workers spin between calls); processes alternate, ``--rounds`` rounds, who
 goes first rotating. Peak RSS is the process's VmHWM (servers: read before they are stopped); load time is the process start to the first token it can serve
@@ -398,7 +399,7 @@ def main() -> None:
     global REPACK, DECODE_RUN_MS
     DECODE_RUN_MS = args.decode_run_ms
     # llama.cpp alone loads one sequence's model as the plugin would; llama-server repacks (its default) unless
-    # the plugin never does here (AMX, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.
+    # the plugin never does here (an AMX build that faults, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.
     extra = REPACK = extra_bufts(1)
     print(f"llama.cpp's extra CPU buffer types (repacked weights), one sequence: {'on' if extra else 'off'}",
           flush=True)

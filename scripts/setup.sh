@@ -21,4 +21,7 @@ fi
 WHEEL="$(bash scripts/llamacpp_wheel.sh .venv/bin/python | tail -n1)"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "${CONSTRAINTS[@]}" "$WHEEL" \
   -e plugins/dspark-llamacpp 2>&1 | grep -v "^WARNING: Location 'file:" || true
+# Same version, other build (a wheel built before its patches, or for another CPU): pip would keep it.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$WHEEL" 2>&1 \
+  | grep -v "^WARNING: Location 'file:" || true
 .venv/bin/python -c "import dspark, torch, openvino, onnxruntime, llama_cpp; print('dspark', dspark.__version__, '| torch', torch.__version__, '| llama-cpp-python', llama_cpp.__version__)"

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark.sdk import hostinfo, release_file
+from dspark.sdk import release_file
+from dspark_llamacpp import amx
 from llama_cpp import llama_cpp as C
 
 _lock = threading.Lock()
@@ -84,14 +85,17 @@ REPACK_MAX_SEQS = 8  # repacked weights for steps of at most this many sequences
 
 def extra_bufts(max_seqs: int = 1) -> bool:
     """Whether a model stepped with at most ``max_seqs`` sequences loads with llama.cpp's extra CPU buffer
-    types (its quantized weights repacked for its kernels): repacked steps of a few rows ran faster and
-    steps of 32 rows slower (docs/benchmarks.md, "Extra buffer types"), so on for engines of up to
-    :data:`REPACK_MAX_SEQS` sequences. Never on CPUs with AMX, whose buffer type crashed in the first
-    decode (llama.cpp PR #26954). ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
+    types (its quantized weights repacked for its kernels). Without AMX, repacked steps of a few rows ran
+    faster and steps of 32 rows slower (docs/benchmarks.md, "Extra buffer types"), so on for engines of up
+    to :data:`REPACK_MAX_SEQS` sequences. With AMX, its buffer type ran faster at every step size, so on
+    for every engine where this llama.cpp's AMX kernels run (:func:`amx.runs`: a probe in a child process,
+    cached). ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
     asked = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS")
     if asked in ("0", "1"):
         return asked == "1"
-    return max_seqs <= REPACK_MAX_SEQS and "amx_tile" not in hostinfo.cpu_static()["isa_features"]
+    if amx.has_amx():
+        return amx.runs()
+    return max_seqs <= REPACK_MAX_SEQS
 
 
 def _releasing(path: str) -> Any:
