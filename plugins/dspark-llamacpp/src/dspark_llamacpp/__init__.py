@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,11 @@ def load_model(path: Path, max_seqs: int = 1) -> Any:
     with _models_lock:
         m = _models.get((key, repack))
         if m is None:
+            t = time.perf_counter()
             m = _runtime().Model(key, repack=repack)
             _models[(key, repack)] = m
+            log.info("llamacpp.load", file=key, seconds=round(time.perf_counter() - t, 3), max_seqs=max_seqs,
+                     extra_buffer_types=repack)
         return m
 
 
