@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from llm_testutil import random_prompts
 
 from dspark.llm import SamplingParams
-from dspark.llm.sampling import distribution, sample
+from dspark.llm.sampling import distribution, sample, sample_rows
 
 
 def test_sampler_filters() -> None:
@@ -117,3 +117,21 @@ def test_the_sampler_draws_from_the_distribution_it_keeps() -> None:
         assert (counts[dist == 0] == 0).all()
         live = dist > 0
         assert chisquare(counts[live], dist[live] / dist[live].sum() * counts.sum()).pvalue > 1e-4, p
+
+
+def test_rows_sampled_as_a_batch_pick_what_each_row_picks_alone() -> None:
+    """The engine samples a step's plain rows as one batch (sample_rows): each row, with its own seeded
+    generator, must draw the tokens it draws alone, whatever rows share the batch (greedy, top_k, top_p
+    that rejects and draws again, temperature only)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 2048, generator=g) * torch.tensor([0.2, 1.0, 3.0, 0.5, 2.0, 0.05, 1.0])[:, None]
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=0.0),
+              SamplingParams(top_p=0.5), SamplingParams(temperature=1.3, top_k=40), SamplingParams(temperature=0.7),
+              SamplingParams(top_p=0.9, top_k=100), SamplingParams(top_p=1e-9)]
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(7)]
+    together = [sample_rows(logits, params, gens) for _ in range(50)]
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(7)]
+    alone = [[sample(logits[i], params[i], gens[i]) for i in range(7)] for _ in range(50)]
+    assert together == alone
+    assert len({t[0] for t in together}) > 5  # rows really drew (not one token every time)
+    assert {t[1] for t in together} == {int(logits[1].argmax())} and {t[6] for t in together} == {int(logits[6].argmax())}

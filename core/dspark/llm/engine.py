@@ -26,7 +26,7 @@ from dspark.llm.logits import (
 )
 from dspark.llm.runner.types import SeqChunk, Work
 from dspark.llm.outputs import EngineLayout, EngineStats, RequestOutput, Usage
-from dspark.llm.sampling import SamplingParams, sample
+from dspark.llm.sampling import SamplingParams, sample, sample_rows
 from dspark.llm.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 
 log = get_logger("dspark.llm.engine")
@@ -184,9 +184,15 @@ class LLMEngine:
             # Greedy rows take one batched argmax (the same pick as sample() makes row by row; numpy's, a
             # fifth of torch's dispatch for one row). With speculation every row samples in turn, keeping
             # the order the shared generator is drawn in.
-            greedy = [i for i, p in enumerate(planned) if p.completes and p.seq.params.greedy and p.seq.plain]
+            plain = [i for i, p in enumerate(planned) if p.completes and p.seq.plain]
+            greedy = [i for i in plain if planned[i].seq.params.greedy]
             if greedy:
                 picks = dict(zip(greedy, argmax_rows([logits[i] for i in greedy])))
+            drawn = [i for i in plain if not planned[i].seq.params.greedy]
+            if drawn:  # sampled rows as one batch (sample_rows), each from its own generator
+                seqs = [planned[i].seq for i in drawn]
+                picks.update(zip(drawn, sample_rows(torch.stack([logits[i] for i in drawn]), [s.params for s in seqs],
+                                                    [s.generator or self._default_gen for s in seqs])))
             picks.update(self._sample_processed(planned, logits))
         outputs = []
         for i, (p, lg) in enumerate(zip(planned, logits)):
@@ -326,8 +332,8 @@ class LLMEngine:
 
     def _sample_processed(self, planned: list[ScheduledChunk], logits: list[torch.Tensor]) -> dict[int, int]:
         """Tokens of the step's rows that need processing or logprobs, done together: the processing
-        (``process_batch``), greedy picks and raw logprobs as batched tensor work, then per row the
-        sampling, the recorded logprobs and the grammar's advance, exactly as ``_sample`` does them."""
+        (``process_batch``), the picks (``sample_rows``) and raw logprobs as batched tensor work, then per row
+        the recorded logprobs and the grammar's advance, as ``_sample`` does them."""
         rows = [i for i, p in enumerate(planned) if p.completes and not p.seq.plain]
         if not rows:
             return {}
@@ -338,9 +344,7 @@ class LLMEngine:
         if work:
             proc = raw.clone()
             proc[work] = process_batch(raw[work], [seqs[j] for j in work], self.eos_ids)
-        argmax = proc.argmax(-1).tolist()
-        toks = [argmax[j] if s.params.greedy else sample(proc[j], s.params, s.generator or self._default_gen)
-                for j, s in enumerate(seqs)]
+        toks = sample_rows(proc, [s.params for s in seqs], [s.generator or self._default_gen for s in seqs])
         want = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
             n = max(seqs[j].params.logprobs or 0 for j in want)

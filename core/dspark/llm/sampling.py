@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence as Seq
 from typing import Literal
 
 import numpy as np
@@ -178,39 +179,81 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     """One token from fp32 ``logits`` [vocab]: ``distribution``'s, drawn with uniform numbers from ``gen``
     (one, or a few with top_p) and no sort of the vocabulary: torch's sort of a row on the CPU cost more than
     a decode step of a small model at 32 rows (docs/benchmarks.md, decoder targets, "Sampling")."""
-    if p.greedy:
-        return int(torch.argmax(logits))
-    # Shift by the max first: a tiny temperature then sends the others to -inf, not max to inf (NaN).
-    logits = (logits - logits.max()) / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        return _draw_top_p(probs, p.top_p, gen)
-    return _draw(probs, gen)
+    return sample_rows(logits[None], [p], [gen])[0]
 
 
-def _draw_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> int:
-    """A token drawn from ``probs`` [vocab] kept to its top_p set (the tokens the more probable of which
-    carry less than ``top_p``), by rejection: a token drawn from those above a pivot is in the set when the
-    tokens more probable than it carry less than top_p; else no token as probable as it is, and the pivot
-    rises to it. Exact, and about one round on a real model's rows."""
+def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], gens: Seq[torch.Generator | None]) -> list[int]:
+    """A token for each row of fp32 ``logits`` [n, vocab], row i from ``params[i]`` and uniform numbers of
+    ``gens[i]``: the temperature, softmax, draws and top_p checks of all rows as one batch of tensor work
+    (row by row they were most of a sampled step's host time at 32 rows). A row draws the same numbers,
+    and picks the same token, alone or in a batch; a generator shared by several rows is drawn in row order,
+    round by round. The work runs on one torch thread: OpenMP's workers spin after a parallel region and
+    would take a core from the decoder's next step."""
+    n, vocab = logits.shape
+    out = [0] * n
+    batch: list[int] = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            out[i] = int(torch.argmax(logits[i]))
+        else:
+            batch.append(i)
+    if not batch:
+        return out
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _draw_rows(logits if len(batch) == n else logits[batch], [params[i] for i in batch],
+                   [gens[i] for i in batch], batch, out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _draw_rows(x: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None], where: list[int],
+               out: list[int]) -> None:
+    """``sample_rows``'s draws for rows that are not greedy; row r's token goes to ``out[where[r]]``."""
+    vocab = x.shape[-1]
+    # softmax subtracts each row's max itself; 1 / temperature is at most 1e5 (GREEDY_BELOW), so no finite
+    # float32 logit overflows on the way.
+    x = x * torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype)[:, None]
+    ks = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
+    if ks:
+        kk = torch.tensor([params[r].top_k for r in ks])
+        sub = x[ks]
+        kth = torch.topk(sub, int(kk.max()), dim=-1).values.gather(1, kk[:, None] - 1)
+        x[ks] = sub.masked_fill(sub < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    live = list(range(len(params)))  # rows of ``probs`` still drawing
     w = probs
-    while True:
-        x = _draw(w, gen)
-        px = probs[x]
-        if float(probs[probs > px].sum()) < top_p:
-            return x
-        w = probs * (probs > px)
-
-
-def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
-    """An index drawn with probability proportional to ``weights`` [n] (not all zero): one uniform number
-    from ``gen`` against their running sum (inverse transform sampling)."""
-    total = torch.cumsum(weights, 0)
-    u = torch.rand((), generator=gen) * total[-1]
-    return min(int(torch.searchsorted(total, u, right=True)), weights.shape[-1] - 1)
+    while live:
+        total = torch.cumsum(w, -1)
+        u = torch.stack([torch.rand((), generator=gens[r]) for r in live]) * total[:, -1]
+        pick = torch.searchsorted(total, u[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
+        pr = probs if len(live) == len(params) else probs[live]
+        tp = top_p if len(live) == len(params) else top_p[live]
+        px = pr.gather(1, pick[:, None])
+        # top_p by rejection: a token drawn from those above a rising pivot is kept when the more probable
+        # tokens carry less than top_p; else none as probable as it is kept, and the pivot rises to it. Those
+        # carry at most 1 - p(token): a token that probable is kept without the sum.
+        kept = ((tp >= 1.0) | (px[:, 0].double() > 1.0 - tp + 1e-4)).tolist()
+        check = [r for r, ok in enumerate(kept) if not ok]
+        if check:
+            c = torch.tensor(check)
+            sub, pc = pr[c], px[c]
+            mass = torch.where(sub > pc, sub, 0.0).sum(-1).double()
+            for r, ok in zip(check, (mass < tp[c]).tolist()):
+                kept[r] = ok
+        picks = pick.tolist()
+        again = [r for r, ok in enumerate(kept) if not ok]
+        for r, j in enumerate(live):
+            if kept[r]:
+                out[where[j]] = picks[r]
+        if not again:
+            break
+        sel = torch.tensor(again)
+        w = pr[sel] * (pr[sel] > px[sel])
+        live = [live[r] for r in again]
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
