@@ -14,6 +14,7 @@ The child's side: :mod:`dspark_llamacpp.amx_child`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import signal
@@ -38,9 +39,10 @@ def has_amx() -> bool:
     return "amx_tile" in hostinfo.cpu_static()["isa_features"]
 
 
+@functools.cache
 def library_key() -> str:
     """The llama.cpp libraries llama-cpp-python loads (a hash of their contents: a reinstall of the same
-    build keeps its verdict) and this CPU."""
+    build keeps its verdict) and this CPU; read once per process."""
     spec = importlib.util.find_spec("llama_cpp")
     roots = list(spec.submodule_search_locations or []) if spec else []
     h = hashlib.sha256()
@@ -100,6 +102,9 @@ def runs() -> bool:
             log.warning("llamacpp.amx_probe", runs=False, detail=why,
                         action="llama.cpp's extra CPU buffer types stay off on this CPU: weights run as stored; "
                                "scripts/setup.sh builds llama-cpp-python with the fix (scripts/patches/)")
-        cache.store(NAMESPACE, key, {"runs": ok, "detail": why})
+        try:
+            cache.store(NAMESPACE, key, {"runs": ok, "detail": why})
+        except OSError as exc:  # a cache that cannot be written: the verdict holds for this process
+            log.warning("llamacpp.amx_probe_not_cached", error=f"{type(exc).__name__}: {exc}")
         _known[key] = ok
         return ok
