@@ -316,5 +316,3 @@ def test_a_probe_that_faults_keeps_the_extra_buffer_types_off(tmp_path: Path, mo
     monkeypatch.setattr(amx, "_known", {})
     monkeypatch.setattr(amx, "probe", lambda: pytest.fail("a cached verdict is not probed again"))
     assert not amx.runs()
-
-
