@@ -18,6 +18,7 @@ from dspark.llm.detokenize import Detokenizer
 from dspark.llm.logits import (
     LogprobsPrefix,
     argmax_rows,
+    as_batch,
     TokenLogprobs,
     batch_logprobs,
     process,
@@ -191,7 +192,7 @@ class LLMEngine:
             drawn = [i for i in plain if not planned[i].seq.params.greedy]
             if drawn:  # sampled rows as one batch (sample_rows), each from its own generator
                 seqs = [planned[i].seq for i in drawn]
-                picks.update(zip(drawn, sample_rows(torch.stack([logits[i] for i in drawn]), [s.params for s in seqs],
+                picks.update(zip(drawn, sample_rows(as_batch([logits[i] for i in drawn]), [s.params for s in seqs],
                                                     [s.generator or self._default_gen for s in seqs])))
             picks.update(self._sample_processed(planned, logits))
         outputs = []
