@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.13).
+"""The dspark plugin contract (API version 1.14).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.13"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.14"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -29,6 +29,10 @@ watchdog thread. API 1.12 hands a decoder the model's weights in the precision t
 them (``DecoderSpec.weights(stored=True)``), so no float32 copy of a half-precision model is made.
 API 1.13 lets a compiled decoder offer ``greedy_steps``: several greedy decode
 steps in one call, the engine's own work paid once per run instead of once per token.
+API 1.14 hands a decoder that runs a quantized GGUF file as stored (feature ``gguf_stored``) the
+file's tensors in their own types (``DecoderSpec.blocks()``, :mod:`dspark.types.blocks`): blocks
+unpacked to integers, scales and zero points, so a runtime with grouped integer kernels holds them
+without a float copy.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -65,7 +69,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.13"
+API_VERSION = "1.14"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

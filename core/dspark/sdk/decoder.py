@@ -7,6 +7,7 @@ name them; plugins import them from here or from there alike.
 
 from __future__ import annotations
 
+from dspark.types.blocks import BLOCK_TYPES, BlockPart, BlockWeight, Unpacked
 from dspark.types.decoder import (
     FEATURES,
     CompiledDecoder,
@@ -20,5 +21,5 @@ from dspark.types.decoder import (
     is_sequence,
 )
 
-__all__ = ["FEATURES", "CompiledDecoder", "DecoderBid", "DecoderSpec", "DecoderWeights", "LayerWeights",
-           "SeqBatch", "SequenceDecoder", "StepBatch", "is_sequence"]
+__all__ = ["BLOCK_TYPES", "FEATURES", "BlockPart", "BlockWeight", "CompiledDecoder", "DecoderBid", "DecoderSpec",
+           "DecoderWeights", "LayerWeights", "SeqBatch", "SequenceDecoder", "StepBatch", "Unpacked", "is_sequence"]

@@ -145,6 +145,8 @@ class DecoderSpec:
     activation: str = "silu"  # the gated MLP's activation: "silu", "gelu_tanh" or "gelu"
     rope_tables_fn: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = field(
         repr=False, compare=False, default=None)
+    # API 1.14: a quantized GGUF file's weights as stored (feature ``gguf_stored``); see :meth:`blocks`.
+    blocks_fn: Callable[[], DecoderWeights] | None = field(repr=False, compare=False, default=None)
 
     @property
     def first(self) -> bool:
@@ -164,6 +166,14 @@ class DecoderSpec:
         if stored and self.stored_weights_fn is not None:
             return self.stored_weights_fn()
         return self.weights_fn()
+
+    def blocks(self) -> DecoderWeights | None:
+        """API 1.14, for a spec with feature ``gguf_stored``: the file's weights as it stores them, in
+        :class:`DecoderWeights`' layout, with every projection (and a head of its own) a
+        :class:`dspark.types.blocks.BlockWeight` of the file's tensors in their own types (unpacked one at a
+        time on request, read from its memory map); norms and biases float32; the embedding table dequantized
+        to float32. None where the engine has no such view of the file (a plugin then declines the spec)."""
+        return None if self.blocks_fn is None else self.blocks_fn()
 
     def rope(self, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables ``[num_positions, head_dim]`` (float32, rotate-half layout: row p is

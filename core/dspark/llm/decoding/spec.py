@@ -117,6 +117,11 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
 
     fields = family_fields(runner)
     fields["features"] = fields["features"] | extra_features
+    blocks_fn = None
+    if "gguf_stored" in extra_features:
+        from dspark.llm.gguf.blocks import stored_weights
+
+        blocks_fn = functools.partial(stored_weights, path)
     return DecoderSpec(
         name=path.name, path=str(path), fingerprint=fingerprint(path, runner, {k: v.model_dump() for k, v in (quantization or {}).items()}),
         layers=layers or (0, c.num_hidden_layers),
@@ -124,4 +129,4 @@ def make_spec(runner: ModelRunner, path: Path, *, layers: tuple[int, int] | None
         max_num_tokens=max_num_tokens,
         max_num_seqs=max_num_seqs, quantization=quantization,
         weights_fn=weights_fn, stored_weights_fn=functools.partial(weights_fn, stored=True), rope_fn=rope_fn,
-        rope_tables_fn=rope_tables_fn, **fields)
+        rope_tables_fn=rope_tables_fn, blocks_fn=blocks_fn, **fields)
