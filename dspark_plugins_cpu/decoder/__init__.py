@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dspark.sdk import get_logger, mapped
-from dspark.sdk.decoder import StepBatch
+from dspark.sdk.decoder import BlockWeight, StepBatch
 from dspark.sdk.family import decline
 from dspark.types import DecoderBid
 from dspark_plugins_cpu import runtime
@@ -52,6 +52,9 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
         why = f"computes in float32, bfloat16 or float16, not {spec.dtype}"
     if why is None and spec.dtype != "float32" and spec.dtype not in device.dtypes:
         why = f"this CPU does not compute {spec.dtype} natively"
+    stored = None
+    if why is None and "gguf_stored" in spec.features:
+        why, stored = _stored_bytes(spec)
     if why is not None:
         return DecoderBid(**base, declined=why)
     a, b = spec.layers
@@ -61,15 +64,43 @@ def decoder_bid(spec: DecoderSpec, device: Device) -> DecoderBid | None:
     edges = spec.vocab_size * spec.hidden_size * ((a == 0) + (b == spec.num_layers))
     item = _BYTES[spec.dtype] if not bits else max(bits) / 8  # a rough size: the bulk compressed
     precision = spec.dtype if not bits else ("int8" if bits == {8} else "int4" if bits == {4} else "mixed int8/int4")
+    if stored is not None:
+        precision = "GGUF blocks as stored (" + ", ".join(sorted(stored[1])) + ")"
     own = spec.attn_softcap is not None  # attends over the gathered past: host blocks, float32, any block size
     kv_dtype = "float32" if own else spec.dtype
     return DecoderBid(**base, precision=precision, kv_dtype=kv_dtype, block_size=None if own else BLOCK_SIZE,
-                      weight_bytes=int((n * per_layer + edges) * item),
+                      weight_bytes=stored[0] if stored is not None else int((n * per_layer + edges) * item),
                       kv_bytes_per_token=2 * n * spec.num_kv_heads * spec.head_dim * _BYTES[kv_dtype],
                       exit_layers=a == 0,
                       note="dspark.sdk.family.forward as OpenVINO nodes, on "
                       + ("attention over the gathered past (soft-capped scores)" if own else "PagedAttentionExtension")
                       + (", weights compressed as the plan says" if bits else ""))
+
+
+def _stored_bytes(spec: DecoderSpec) -> tuple[str | None, tuple[int, set[str]] | None]:
+    """Why a GGUF file's types cannot be held (naming the tensor and type), or the bytes its weights take as
+    compressed constants (integers, float32 scales and zero points, the float embedding) and its types."""
+    w = spec.blocks()
+    if w is None:
+        return "the engine gives no view of the GGUF file's blocks (DecoderSpec.blocks(), API 1.14)", None
+    total, types = 0, set()
+    item = _BYTES.get(spec.dtype, 4)
+    for proj in [w.head] + [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)]:
+        if not isinstance(proj, BlockWeight):
+            total += proj.size * item
+            continue
+        for part in proj.parts:
+            types.add(part.ggml_type)
+            if part.is_float:
+                total += part.rows * part.cols * item
+            elif part.ggml_type not in decoder_ops.OpenVINOOps.block_types:
+                return (f"{part.name} is stored as {part.ggml_type}; OpenVINO's compressed weights hold "
+                        f"{', '.join(sorted(decoder_ops.OpenVINOOps.block_types))} blocks as stored"), None
+            else:
+                bits = 4 if part.ggml_type in ("Q4_0", "Q4_K") else 8
+                zero = part.ggml_type == "Q4_K"
+                total += part.rows * part.cols * bits // 8 + part.rows * part.cols // part.group * 4 * (1 + zero)
+    return None, (total + w.embed.size * item, types)
 
 
 class OpenVINODecoder:

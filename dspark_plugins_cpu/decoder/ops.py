@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.sdk.family import Attention, forward
+from dspark.sdk.decoder import BlockPart, BlockWeight
+from dspark.sdk.family import Attention, forward, stored_weights
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -37,12 +38,20 @@ PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_
 I64 = np.int64
 
 
+def _bfloat16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
 class OpenVINOOps:
     """:class:`dspark.sdk.family.DecoderOps` that build an OpenVINO graph (``openvino.opset13`` nodes)."""
 
     # PagedAttentionExtension has no soft-cap input: a soft-capped model attends over the gathered past.
     variants = frozenset({"activation.gelu", "activation.gelu_tanh", "attention.window", "attention.softcap",
-                          "rope.partial", "softcap", "linear.int8", "linear.int4", "embed.int8"})
+                          "rope.partial", "softcap", "linear.int8", "linear.int4", "embed.int8", "linear.blocks"})
+    # GGUF types whose blocks it holds as compressed weights (linear.blocks); float parts run as stored
+    block_types = frozenset({"Q8_0", "Q5_0", "Q6_K", "Q4_0", "Q4_K"})
 
     def __init__(self, spec: DecoderSpec, store: MappedWeights | None = None) -> None:
         import openvino as ov
@@ -107,6 +116,8 @@ class OpenVINOOps:
         ids = self.param("input_ids", [-1], self.ov.Type.i64)
         self._positions()  # every range takes positions, in the same order as before
         if quant is None:
+            if "gguf_stored" in self.spec.features and self.spec.dtype in _HALF:  # held at the compute precision
+                table = table.astype(np.float16 if self.spec.dtype == "float16" else _bfloat16())
             rows = self.o.gather(self._stored(table), ids, self.const(0, I64))
             return rows if table.dtype.name not in _HALF else self.o.convert(rows, "f32")  # the rows widened
         from dspark.sdk import quantize_weight
@@ -155,11 +166,41 @@ class OpenVINOOps:
                            self.const([1], I64))
         return flat
 
-    def linear(self, x: Any, weight: np.ndarray, bias: np.ndarray | None, quant: QuantSpec | None,
+    def _blocks(self, parts: list[BlockPart]) -> Any:
+        """Parts of one GGUF block type (or one float part) as one weight ``[out, in]``: the blocks unpacked
+        (one tensor at a time) into OpenVINO's weight-compression pattern, u4 or i8 constant -> Convert ->
+        Subtract(zero) -> Multiply(scale) -> Reshape, which its CPU plugin runs as a compressed
+        FullyConnected; no float copy of the weight is made."""
+        o, ov = self.o, self.ov
+        if parts[0].is_float:
+            return self.weight(np.ascontiguousarray(parts[0].values()))
+        us = [p.unpack() for p in parts]
+        q = us[0].q if len(us) == 1 else np.concatenate([u.q for u in us])
+        n, groups, g = q.shape
+        c = o.constant(q, dtype=ov.Type.i8 if us[0].bits == 8 else ov.Type.u4)
+        w = o.convert(c, "f32")
+        zeros = [u.zero for u in us]
+        if zeros[0] is not None:
+            zero = zeros[0] if zeros[0].ndim == 0 else np.concatenate(zeros)  # type: ignore[arg-type]
+            w = o.subtract(w, self.const(zero))
+        w = o.multiply(w, self.const(us[0].scale if len(us) == 1 else np.concatenate([u.scale for u in us])))
+        return o.reshape(w, self.const([n, groups * g], I64), False)
+
+    def linear(self, x: Any, weight: np.ndarray | BlockWeight, bias: np.ndarray | None, quant: QuantSpec | None,
                name: str) -> Any:
         # [out, in] (the fully-connected layout OpenVINO's CPU plugin packs), or compressed per quant.
-        w = self.weight(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
-        y = self.o.matmul(x, w, transpose_a=False, transpose_b=True)
+        if isinstance(weight, BlockWeight):  # a GGUF file's tensors: one MatMul per run of parts of one type
+            runs: list[list[BlockPart]] = []
+            for p in weight.parts:
+                if runs and p.ggml_type == runs[-1][0].ggml_type and not p.is_float:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            ys = [self.o.matmul(x, self._blocks(r), transpose_a=False, transpose_b=True) for r in runs]
+            y = ys[0] if len(ys) == 1 else self.o.concat(ys, -1)
+        else:
+            w = self.weight(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
+            y = self.o.matmul(x, w, transpose_a=False, transpose_b=True)
         return y if bias is None else self.o.add(y, self.const(bias))
 
     def split(self, x: Any, sizes: list[int]) -> list[Any]:
@@ -276,7 +317,7 @@ def build(spec: DecoderSpec, layers: tuple[int, int], *, head: bool, ops: OpenVI
     ``logit_rows`` (the last layer of the model, or an early exit), else return the hidden state.
     ``store``: the float weights' constants over its mapped file instead of copies of their own."""
     ops = ops or OpenVINOOps(spec, store)
-    out = forward(spec, ops, layers, head=head, weights=spec.weights(stored=True))
+    out = forward(spec, ops, layers, head=head, weights=stored_weights(spec))
     res = ops.o.result(out)
     res.output(0).get_tensor().set_names({"logits" if head else "hidden"})
     results = [res]

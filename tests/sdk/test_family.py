@@ -34,8 +34,9 @@ def test_ops_lacking_a_variant_decline_naming_it_and_what_needs_it(specs: dict) 
     assert why is not None and "attention.softcap" in why and "soft-cap 2.0" in why, why
     assert "attention.window" not in why
     stored = dataclasses.replace(specs["llama"], features=specs["llama"].features | {"gguf_stored"})
-    why = decline(stored, frozenset(VARIANTS))  # read as stored from the file: no ops class runs that
-    assert why is not None and "gguf_stored" in why, why
+    assert decline(stored, frozenset(VARIANTS)) is None  # ops holding a GGUF file's blocks run it as stored
+    why = decline(stored, frozenset(VARIANTS) - {"linear.blocks"})
+    assert why is not None and "linear.blocks" in why and "gguf_stored" in why, why
 
 
 def test_gemma_spells_out_its_scales_norms_and_tables(specs: dict) -> None:

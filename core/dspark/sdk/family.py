@@ -58,9 +58,10 @@ VARIANTS: dict[str, str] = {
     "linear.int8": "int8 weights (dspark.sdk.quant's rounding) in a projection",
     "linear.int4": "int4 weights (dspark.sdk.quant's rounding) in a projection",
     "embed.int8": "an int8 embedding table with a scale per row",
+    "linear.blocks": "a projection held in a GGUF file's own blocks (dspark.sdk.decoder.BlockWeight, API 1.14)",
 }
 # Features the definition itself does not express: a spec with one is declined by every ops class.
-_OUTSIDE = {"gguf_stored": "weights read as stored from a GGUF file"}
+_OUTSIDE: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class DecoderOps(Protocol, Generic[T]):
 
     def linear(self, x: T, weight: np.ndarray, bias: np.ndarray | None, quant: QuantSpec | None, name: str) -> T:
         """``x @ weight (+ bias)``, ``weight`` [in, out] float32; ``quant``: the canonical rounding of
-        ``weight`` (variants ``linear.int8`` / ``linear.int4``). ``name`` is the engine's weight name."""
+        ``weight`` (variants ``linear.int8`` / ``linear.int4``); or (variant ``linear.blocks``) ``weight`` a
+        :class:`dspark.types.blocks.BlockWeight` of a GGUF file's tensors. ``name`` is the engine's weight name."""
         ...
 
     def split(self, x: T, sizes: list[int]) -> list[T]:
@@ -167,6 +169,8 @@ def requirements(spec: DecoderSpec) -> dict[str, str]:
         need["softcap"] = f"{spec.architecture}'s final logit soft-cap {spec.final_softcap}"
     if spec.rotary != spec.head_dim and any(r is not None for r in (spec.layer_rope or (0,))):
         need["rope.partial"] = f"RoPE over {spec.rotary} of {spec.head_dim} dims"
+    if "gguf_stored" in spec.features:
+        need["linear.blocks"] = "weights quantized in a GGUF file, run as stored (gguf_stored)"
     for name, q in (spec.quantization or {}).items():
         if name == "model.embed_tokens":
             need["embed.int8"] = "the quantization plan's int8 embedding"
@@ -242,6 +246,17 @@ def _layer(spec: DecoderSpec, ops: DecoderOps[T], plan: _LayerPlan, x: T, w: Lay
     return ops.add(x, m)
 
 
+def stored_weights(spec: DecoderSpec) -> DecoderWeights:
+    """The weights a runtime that keeps the model's own precision builds from: ``spec.blocks()`` for a
+    ``gguf_stored`` spec (the file's blocks), else ``spec.weights(stored=True)``."""
+    if "gguf_stored" not in spec.features:
+        return spec.weights(stored=True)
+    blocks = spec.blocks()
+    if blocks is None:
+        raise ValueError(f"{spec.name}: a gguf_stored spec without blocks() (DecoderSpec.blocks_fn)")
+    return blocks
+
+
 def forward(spec: DecoderSpec, ops: DecoderOps[T], layers: tuple[int, int] | None = None, *,
             head: bool | None = None, weights: DecoderWeights | None = None) -> T:
     """The decoder over ``layers`` (default ``spec.layers``) on ``ops``.
@@ -250,10 +265,12 @@ def forward(spec: DecoderSpec, ops: DecoderOps[T], layers: tuple[int, int] | Non
     the final norm and head over ``logit_rows`` when ``head`` (default: the range ends at the model's
     last layer; an early exit passes ``layers=(0, exit), head=True``), else returns the hidden state.
     ``weights``: ``spec.weights()`` already read (an eager runtime reads them once, not every step).
+    A ``gguf_stored`` spec reads ``spec.blocks()``: its projections are the file's blocks.
     """
     a, b = layers or spec.layers
     head = b == spec.num_layers if head is None else head
-    w = weights if weights is not None else spec.weights()
+    w = weights if weights is not None else stored_weights(spec) if "gguf_stored" in spec.features \
+        else spec.weights()
     if a == 0:
         x = ops.tokens(w.embed, _quant(spec, "model.embed_tokens"))
         if spec.embed_scale is not None:
