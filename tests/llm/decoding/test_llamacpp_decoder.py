@@ -172,7 +172,7 @@ def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict
 def test_a_quantized_gguf_holds_its_weights_once_on_llamacpp(ggufs: dict[str, Path]) -> None:
     # The engine starts the file without the torch runner's dequantized copy: llama.cpp holds the weights
     # as stored; the torch runner is only the fallback, loaded from the file if it must run.
-    e = LLMEngine.from_model(ggufs["q4_k_m"], decoder="auto", max_batch_size=4)
+    e = LLMEngine.from_model(ggufs["q4_k_m"], decoder="llamacpp", max_batch_size=4)
     assert e.stats().decoder == "llamacpp@cpu", e.decoder_choice
     assert e.runner.reference.is_weightless and e.runner.reference.layers == []
     assert e.decoder_choice is not None and "as stored" in e.decoder_choice.reason
@@ -197,12 +197,17 @@ def test_a_failing_decoder_on_a_stored_gguf_loads_the_torch_runner_and_loses_no_
 
 
 def test_quantized_gguf_is_offered_only_to_decoders_that_run_it_as_stored(ggufs: dict[str, Path]) -> None:
+    # llama.cpp and OpenVINO (the file's blocks as compressed weights, API 1.14) both run it as stored: each is
+    # timed alone (no torch runner to time beside) and the faster runs; ONNX Runtime's decoder declines it.
     e = LLMEngine.from_model(ggufs["q8_0"], decoder="auto", max_batch_size=4)
     c = e.decoder_choice
     assert c is not None
-    cpu = [d for d in c.declined if d["label"] == "cpu@cpu"]
-    assert cpu and "gguf_stored" in cpu[0]["reason"], c.declined  # OpenVINO's decoder would run float weights
-    assert "llamacpp@cpu" in [r["label"] for r in c.ranked]
+    npu = [d for d in c.declined if d["label"] == "npu@cpu"]
+    assert npu and "gguf_stored" in npu[0]["reason"] and "linear.blocks" in npu[0]["reason"], c.declined
+    timed = {r["label"]: r for r in c.ranked if r.get("step_ms")}
+    assert set(timed) == {"llamacpp@cpu", "cpu@cpu"}, c.ranked
+    assert c.chosen == min(timed, key=lambda k: timed[k]["score"]) and "measured fastest" in c.reason, c
+    assert e.runner.reference.is_weightless  # neither needed the torch copy
 
 
 def test_what_llamacpp_cannot_run_is_declined_with_the_reason(checkpoint: Any) -> None:

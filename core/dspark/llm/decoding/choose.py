@@ -35,7 +35,7 @@ from dspark.host.log import get_logger
 from dspark.llm.decoding.conformance import record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import Bench, score, shapes, time_targets
+from dspark.llm.decoding.timing import Bench, request_ms, score, shapes, time_targets
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -245,8 +245,16 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     # only if a failover reaches them, so no fallback holds a copy of the weights meanwhile.
     targets = [_pending(bid, dev, host, spec) for bid, dev in candidates]
     ref = Target(REFERENCE, f"torch {torch.__version__}")
+    from dspark.llm.runner.model import ModelRunner
+
+    load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), runner.dtype))
     slower: list[Target] = []  # measured slower than the torch runner: neither run nor are failover targets
-    if weightless:  # the torch runner would hold the file dequantized: fallback only
+    if weightless and cfg.decoder == "auto" and len(targets) > 1:  # several run it as stored: the fastest
+        timed = _time(targets, ref, runner, runner, spec, cfg, host, declined, load_reference=load_reference)
+        targets = sorted(timed, key=lambda t: t.score)
+        why = "runs the quantized GGUF file as stored, measured fastest of those that do ({}; the torch " \
+              "runner, which would hold it dequantized, is the fallback, loaded from the file if it must run)"
+    elif weightless:  # the torch runner would hold the file dequantized: fallback only
         why = "runs the quantized GGUF file as stored ({}; the torch runner, which would hold it dequantized, " \
               "is the fallback, loaded from the file if it must run)"
     elif cfg.decoder == "auto":
@@ -256,9 +264,6 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         why = "measured fastest ({})"
     else:  # asked for by name: no race, the torch runner only as the fallback
         why = f"decoder={cfg.decoder!r} asked for it" + " ({})"
-    from dspark.llm.runner.model import ModelRunner
-
-    load_reference = load_reference or (lambda: ModelRunner.from_pretrained(str(path), runner.dtype))
     early = None if weightless or quantization or reference is not runner else functools.partial(
         _let_go, runner, spec, load_reference)
     first = None
@@ -364,7 +369,7 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
 def _beat(first: Target, ranked: list[Target]) -> str:
     if not first.step_ms:
         return "then " + ", ".join(t.label for t in ranked if t is not first)
-    others = [f"{t.label} x{t.score / first.score:.2f}" for t in ranked if t is not first]
+    others = [f"{t.label} x{t.score / first.score:.2f}" for t in ranked if t is not first and t.step_ms]
     return "beat " + ", ".join(others) if others else "alone"
 
 
@@ -390,11 +395,15 @@ def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost)
 
 def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
           cfg: EngineConfig, host: PluginHost, declined: list[dict[str, str]],
-          prepare_reference: Callable[[ModelRunner], None] | None = None) -> list[Target]:
+          prepare_reference: Callable[[ModelRunner], None] | None = None,
+          load_reference: Callable[[], ModelRunner] | None = None) -> list[Target]:
     """Fill ``step_ms`` and ``score`` of every target that is admitted, and the reference's; returns those.
     Each target is timed in turn beside the torch runner (its score is its time relative to the torch
     runner's in the same minutes) and let go before the next is compiled, so only one plugin's copy of
-    the weights is held at a time. A warm start reads the timings from the disk cache and compiles nothing."""
+    the weights is held at a time. A warm start reads the timings from the disk cache and compiles nothing.
+    A weightless runner (a quantized GGUF file run as stored) has no torch runner to time beside: each
+    target is timed alone and scored relative to the fastest."""
+    weightless = getattr(runner, "is_weightless", False)
     sl = shapes(cfg.max_batch_size, min(128, cfg.max_num_batched_tokens))
     names = [s.name for s in sl]
     out = []
@@ -405,9 +414,9 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
     for t in targets:
         cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
         if cached is None:
-            if not _ready(t, reference, spec, host, declined):
+            if not _ready(t, reference, spec, host, declined, load_reference):
                 continue
-            if ref_bench is None:
+            if ref_bench is None and not weightless:
                 if prepare_reference is not None:
                     prepare_reference(runner)
                 ref_bench = Bench(runner.step, lambda n: runner.make_cache(n, 16), 16, max_seqs=max_seqs,
@@ -417,17 +426,22 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
             bench = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs, max_seqs=max_seqs,
                           context=ctx, max_rows=130, vocab=vocab)
             hook_threads.retire_idle()  # the compile's leftover OpenMP team (a conversion) would slow what is timed
-            timed = time_targets({t.label: bench, REFERENCE: ref_bench}, sl)
-            cached = {"step_ms": timed[t.label], "reference_ms": timed[REFERENCE]}
+            timed = time_targets({t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}, sl)
+            cached = {"step_ms": timed[t.label], "reference_ms": timed.get(REFERENCE)}
             disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
             del dr, bench
             t.release()  # compiled again if it wins, or if a failover reaches it
             hostinfo.return_freed_memory()
         t.step_ms = dict(cached["step_ms"])
-        t.score = score(t.step_ms, cached["reference_ms"], sl, cfg.speculative.active)
-        ref.step_ms = dict(cached["reference_ms"])
+        if cached["reference_ms"] is not None:
+            t.score = score(t.step_ms, cached["reference_ms"], sl, cfg.speculative.active)
+            ref.step_ms = dict(cached["reference_ms"])
         out.append(t)
     ref.score = 1.0
+    if weightless and out:
+        best = min(out, key=lambda t: request_ms(t.step_ms, sl, cfg.speculative.active))
+        for t in out:
+            t.score = score(t.step_ms, best.step_ms, sl, cfg.speculative.active)
     return out
 
 
