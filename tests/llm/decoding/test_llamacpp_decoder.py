@@ -196,11 +196,26 @@ def test_a_failing_decoder_on_a_stored_gguf_loads_the_torch_runner_and_loses_no_
     assert not getattr(e.runner.reference, "is_weightless", False) and e.runner.reference.layers  # loaded now
 
 
-def test_quantized_gguf_is_offered_only_to_decoders_that_run_it_as_stored(ggufs: dict[str, Path]) -> None:
+def test_quantized_gguf_is_offered_only_to_decoders_that_run_it_as_stored(
+        ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # llama.cpp and OpenVINO (the file's blocks as compressed weights, API 1.14) both run it as stored: each is
-    # timed alone (no torch runner to time beside) and the faster runs; ONNX Runtime's decoder declines it.
-    e = LLMEngine.from_model(ggufs["q8_0"], decoder="auto", max_batch_size=4)
+    # probed and timed in a process of its own (no torch runner to time beside, and this process never holds
+    # one decoder's weights while it times another), and only the faster is compiled here; ONNX Runtime's
+    # decoder declines it. A cache of its own: nothing timed before.
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    host = PluginHost(PluginSettings(blocked={"cuda"})).load()
+    compiled: list[str] = []
+    call = host.call
+
+    def counted(name: str, hook: str, **kwargs: Any) -> Any:
+        if hook == "dspark_compile_decoder":
+            compiled.append(name)
+        return call(name, hook, **kwargs)
+
+    host.call = counted  # type: ignore[method-assign]
+    e = LLMEngine.from_model(ggufs["q8_0"], decoder="auto", max_batch_size=4, plugin_host=host)
     c = e.decoder_choice
+    assert c is not None and compiled == [c.chosen.split("@")[0]], (compiled, c)
     assert c is not None
     npu = [d for d in c.declined if d["label"] == "npu@cpu"]
     assert npu and "gguf_stored" in npu[0]["reason"] and "linear.blocks" in npu[0]["reason"], c.declined

@@ -35,7 +35,7 @@ from dspark.host.log import get_logger
 from dspark.llm.decoding.conformance import record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import Bench, request_ms, score, shapes, time_targets
+from dspark.llm.decoding.timing import CONTEXT, Bench, request_ms, score, shapes, time_targets
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 log = get_logger("dspark.llm.decoder")
 _NAMESPACE = "decoder-timings-v5"  # v5: timed in settled blocks, idle workers retired; keyed by the host CPU (v4)
 _PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
-_CONTEXT = 128  # tokens each timed sequence holds
 
 
 @dataclass
@@ -134,6 +133,18 @@ def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, s
     return None
 
 
+def _child(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """probe_child's answer to ``req``, or why it gave none."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dspark.llm.decoding.probe_child", json.dumps(req)],
+                              capture_output=True, text=True, timeout=900, env=env)
+    except subprocess.TimeoutExpired:
+        return {"bad": "the probe's process did not finish within 900 s"}
+    if proc.returncode == 0 and proc.stdout.strip():
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {"bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+
+
 def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner] | None) -> str | None:
     """The probe of a target running a quantized GGUF file as stored, against the file dequantized in a
     process of its own (the serving process holds no torch copy); the verdict is cached per file, target and
@@ -144,14 +155,7 @@ def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], M
         return cached.get("bad")
     req = {"path": spec.path, "dtype": spec.dtype, "plugin": t.plugin, "device": t.device_id,
            "fingerprint": spec.fingerprint, "max_num_tokens": spec.max_num_tokens, "max_num_seqs": spec.max_num_seqs}
-    env = {**os.environ, "DSPARK_PLUGINS": str(t.plugin)}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "dspark.llm.decoding.probe_child", json.dumps(req)],
-                              capture_output=True, text=True, timeout=900, env=env)
-        out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else {
-            "bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
-    except subprocess.TimeoutExpired:
-        out = {"bad": "the probe's process did not finish within 900 s"}
+    out = _child(req, {**os.environ, "DSPARK_PLUGINS": str(t.plugin)})
     if "missing" in out:
         if load_reference is None:
             return str(out["missing"])
@@ -389,7 +393,7 @@ def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost)
     per host CPU (model, usable cores, ISA): a cache directory carried to another machine is not trusted."""
     rec = host.records.get(t.plugin or "")
     return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
-            "shapes": shape_names, "context": _CONTEXT, "plugin_version": rec.version if rec is not None else "",
+            "shapes": shape_names, "context": CONTEXT, "plugin_version": rec.version if rec is not None else "",
             "dspark": _dspark_version(), "host": hostinfo.fingerprint()}
 
 
@@ -408,11 +412,17 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
     names = [s.name for s in sl]
     out = []
     vocab = runner.cfg.vocab_size
-    ctx = min(_CONTEXT, runner.cfg.max_position_embeddings - 130)
+    ctx = min(CONTEXT, runner.cfg.max_position_embeddings - 130)
     max_seqs = max(s.seqs for s in sl)
     ref_bench: Bench | None = None
     for t in targets:
         cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
+        if cached is None and weightless:
+            cached = _time_isolated(t, spec, cfg, host, declined)
+            if cached is False:
+                continue
+            if cached is not None:
+                disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
         if cached is None:
             if not _ready(t, reference, spec, host, declined, load_reference):
                 continue
@@ -443,6 +453,31 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
         for t in out:
             t.score = score(t.step_ms, best.step_ms, sl, cfg.speculative.active)
     return out
+
+
+def _time_isolated(t: Target, spec: DecoderSpec, cfg: EngineConfig, host: PluginHost,
+                   declined: list[dict[str, str]]) -> dict[str, Any] | None | bool:
+    """Probe and time a target that runs a quantized GGUF file as stored, each in a process of its own (so the
+    serving process holds no decoder's weights or KV while it times another): the timings as the cache keeps
+    them; False when it failed (declined, charged to its plugin); None when its plugin lives in this
+    process only (timed here)."""
+    bad = _probe_isolated(t, spec, None) if t.plugin is not None else "no plugin"
+    if bad is not None and "cannot be loaded in a process of its own" in bad:
+        return None
+    if bad is None:
+        req = {"path": spec.path, "dtype": spec.dtype, "plugin": t.plugin, "device": t.device_id,
+               "fingerprint": spec.fingerprint, "max_num_tokens": spec.max_num_tokens,
+               "max_num_seqs": spec.max_num_seqs, "time": [cfg.max_batch_size, min(128, cfg.max_num_batched_tokens)]}
+        out = _child(req, {**os.environ, "DSPARK_PLUGINS": str(t.plugin)})
+        if "missing" in out:
+            return None
+        if "step_ms" in out:
+            return {"step_ms": out["step_ms"], "reference_ms": None}
+        bad = str(out.get("bad"))
+    declined.append({"label": t.label, "reason": bad})
+    if t.plugin is not None:
+        host.charge(t.plugin, "decoder.probe", bad, device=t.device_id)
+    return False
 
 
 def _log(choice: DecoderChoice) -> None:

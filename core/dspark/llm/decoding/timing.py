@@ -46,6 +46,9 @@ def shapes(max_batch: int, prefill_chunk: int) -> list[Shape]:
 StepFn = Callable[[PagedKVCache, list[SeqChunk]], list[torch.Tensor]]
 
 
+CONTEXT = 128  # tokens each timed sequence holds
+
+
 class Bench:
     """One target's cache prepared for every shape: ``seqs`` sequences of ``context`` tokens."""
 
