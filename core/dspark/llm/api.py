@@ -63,7 +63,7 @@ class LLM:
             for s in seqs:
                 self.engine.add_sequence(s)
             while len(final) < n:
-                for out in self.engine.step(finished_only=True):
+                for out in self.engine.step(finished_only=True, closed=True):
                     final[out.request_id] = out
         finally:
             for r in rids:

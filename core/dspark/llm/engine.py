@@ -135,11 +135,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- stepping -------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, closed: bool = False) -> list[RequestOutput]:
         """Run one scheduler iteration; returns an output for every request that got a new token, or with
         ``finished_only`` for those that finished (a caller that only wants final results, as
         ``LLM.generate``, skips building the others: a tenth of a millisecond a step at 32 requests; a
-        request's first output then carries all its text in ``delta``).
+        request's first output then carries all its text in ``delta``). ``closed``: the caller adds no
+        request until the ones it holds have finished (``LLM.generate``), so no arrival waits on a greedy
+        run and a run takes up to :data:`~dspark.llm.decoding.runs.MAX_RUN` steps, not ``decode_run_ms``.
 
         The one step loop, with or without speculation: the speculative decoder (when on) proposes
         drafts for the scheduled sequences and verifies them in the same target forward; only here
@@ -161,8 +163,8 @@ class LLMEngine:
                 return ran
         cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
         if spec is None or cap:
-            ran = self._greedy_run(planned, self._run.steps() if cap is None else min(cap, self._run.steps()), t0,
-                                   finished_only)
+            n = MAX_RUN if closed and self._run.budget_ms > 0 else self._run.steps()
+            ran = self._greedy_run(planned, n if cap is None else min(cap, n), t0, finished_only)
             if ran is not None:
                 return ran
         prop = spec.propose(planned) if spec is not None else None

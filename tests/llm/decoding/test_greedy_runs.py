@@ -159,6 +159,24 @@ def test_run_length_fits_the_budget() -> None:
     assert RunLength(0.0).steps() == 1
 
 
+def test_a_closed_batch_runs_max_run_steps_whatever_the_budget() -> None:
+    # LLM.generate adds nothing until its requests finish (step(closed=True)): no arrival waits on a run, so a run
+    # takes MAX_RUN steps even under a budget that fits no second step; step() as a server calls it keeps to it.
+    llm = dspark.LLM(MODEL, dtype="float32", decoder="cpu", decode_run_ms=1e-6, max_batch_size=4)
+    e = llm.engine
+    assert e.stats().decoder == "cpu@cpu", e.decoder_choice
+    sp = SamplingParams(max_tokens=2 * MAX_RUN, temperature=0, ignore_eos=True)
+    before = e.stats().steps
+    closed = [o.token_ids for o in llm.generate(PROMPTS, [sp] * len(PROMPTS))]
+    closed_steps = e.stats().steps - before
+    before = e.stats().steps
+    done, _ = _drive(e, {str(i): (p, sp) for i, p in enumerate(PROMPTS)})
+    open_steps = e.stats().steps - before
+    assert closed == [done[str(i)][0] for i in range(len(PROMPTS))]
+    assert open_steps >= 2 * MAX_RUN, open_steps  # one token a step
+    assert closed_steps <= 2 + 2 * 2, closed_steps  # the prefill, then runs of MAX_RUN (and the last token's step)
+
+
 class _BadRuns(LlamacppWrapped):
     """llama.cpp's decoder whose greedy run raises (``mode="raise"``) or answers a token outside the vocabulary
     (``mode="garbage"``) on its ``fail_at``-th run."""
