@@ -85,7 +85,8 @@ def _stored_bytes(spec: DecoderSpec) -> tuple[str | None, tuple[int, set[str]] |
         return "the engine gives no view of the GGUF file's blocks (DecoderSpec.blocks(), API 1.14)", None
     total, types = 0, set()
     item = _BYTES.get(spec.dtype, 4)
-    for proj in [w.head] + [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)]:
+    projections = [p for L in w.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+    for i, proj in enumerate([w.embed, w.head, *projections]):  # a tied head: a second constant of the table
         if not isinstance(proj, BlockWeight):
             total += proj.size * item
             continue
@@ -97,10 +98,10 @@ def _stored_bytes(spec: DecoderSpec) -> tuple[str | None, tuple[int, set[str]] |
                 return (f"{part.name} is stored as {part.ggml_type}; OpenVINO's compressed weights hold "
                         f"{', '.join(sorted(decoder_ops.OpenVINOOps.block_types))} blocks as stored"), None
             else:
-                bits = 4 if part.ggml_type in ("Q4_0", "Q4_K") else 8
+                bits = 4 if part.ggml_type in ("Q4_0", "Q4_K") and i > 0 else 8  # the gathered table: bytes
                 zero = part.ggml_type == "Q4_K"
                 total += part.rows * part.cols * bits // 8 + part.rows * part.cols // part.group * 4 * (1 + zero)
-    return None, (total + w.embed.size * item, types)
+    return None, (total, types)
 
 
 class OpenVINODecoder:

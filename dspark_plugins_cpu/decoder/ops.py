@@ -38,12 +38,6 @@ PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_
 I64 = np.int64
 
 
-def _bfloat16() -> Any:
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
-
-
 class OpenVINOOps:
     """:class:`dspark.sdk.family.DecoderOps` that build an OpenVINO graph (``openvino.opset13`` nodes)."""
 
@@ -115,9 +109,9 @@ class OpenVINOOps:
     def tokens(self, table: np.ndarray, quant: QuantSpec | None) -> Any:
         ids = self.param("input_ids", [-1], self.ov.Type.i64)
         self._positions()  # every range takes positions, in the same order as before
+        if isinstance(table, BlockWeight):  # a GGUF file's table as stored: its rows gathered, then decompressed
+            return self._block_rows(table.parts[0], ids)
         if quant is None:
-            if "gguf_stored" in self.spec.features and self.spec.dtype in _HALF:  # held at the compute precision
-                table = table.astype(np.float16 if self.spec.dtype == "float16" else _bfloat16())
             rows = self.o.gather(self._stored(table), ids, self.const(0, I64))
             return rows if table.dtype.name not in _HALF else self.o.convert(rows, "f32")  # the rows widened
         from dspark.sdk import quantize_weight
@@ -165,6 +159,20 @@ class OpenVINOOps:
             flat = o.slice(flat, self.const([0], I64), self.const([k], I64), self.const([1], I64),
                            self.const([1], I64))
         return flat
+
+    def _block_rows(self, part: BlockPart, ids: Any) -> Any:
+        """Rows ``ids`` of a GGUF table ``[vocab, hidden]``: integers, scales and zero points gathered by row, so
+        the table stays in the file's precision (4-bit values as u8: OpenVINO gathers bytes)."""
+        o, ov = self.o, self.ov
+        axis = self.const(0, I64)
+        if part.is_float:
+            return o.convert(o.gather(self._stored(np.ascontiguousarray(part.values())), ids, axis), "f32")
+        u = part.unpack()
+        rows = o.convert(o.gather(o.constant(u.q, dtype=ov.Type.i8 if u.bits == 8 else ov.Type.u8), ids, axis), "f32")
+        if u.zero is not None:
+            rows = o.subtract(rows, self.const(u.zero) if u.zero.ndim == 0 else o.gather(self.const(u.zero), ids, axis))
+        rows = o.multiply(rows, o.gather(self.const(u.scale), ids, axis))
+        return o.reshape(rows, self.const([-1, part.cols], I64), False)
 
     def _blocks(self, parts: list[BlockPart]) -> Any:
         """Parts of one GGUF block type (or one float part) as one weight ``[out, in]``: the blocks unpacked

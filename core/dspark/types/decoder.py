@@ -171,8 +171,10 @@ class DecoderSpec:
         """API 1.14, for a spec with feature ``gguf_stored``: the file's weights as it stores them, in
         :class:`DecoderWeights`' layout, with every projection (and a head of its own) a
         :class:`dspark.types.blocks.BlockWeight` of the file's tensors in their own types (unpacked one at a
-        time on request, read from its memory map); norms and biases float32; the embedding table dequantized
-        to float32. None where the engine has no such view of the file (a plugin then declines the spec)."""
+        time on request, read from its memory map); the embedding table a ``BlockWeight`` of one part
+        ``[vocab, hidden]`` too (its rows are gathered; float32 where the file stores it as floats), and a tied
+        head the same object; norms and biases float32. None where the engine has no such view of the file (a
+        plugin then declines the spec)."""
         return None if self.blocks_fn is None else self.blocks_fn()
 
     def rope(self, num_positions: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,10 +2,10 @@
 
 Projections come as :class:`dspark.types.blocks.BlockWeight` (q, k, v stacked for
 ``qkv``; gate and up for ``gate_up``), each part a view of the file's memory map
-in its own type; norms and biases as float32 arrays; the embedding table
-dequantized to float32 (a runtime gathers rows from it: a float table is what
-runs). A Llama's q/k rows keep llama.cpp's interleaved order on disk and carry
-the permutation back to Hugging Face's (``tensors._unpermute``) as a row order.
+in its own type; the embedding table (a runtime gathers its rows) and a tied head
+as one such part too, unless the file stores it as floats; norms and biases as
+float32 arrays. A Llama's q/k rows keep llama.cpp's interleaved order on disk and
+carry the permutation back to Hugging Face's (``tensors._unpermute``) as a row order.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def stored_weights(path: str | Path) -> DecoderWeights:
             down=proj(f"{m}.down_proj.weight"),  # type: ignore[arg-type]
             qkv_bias=cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
             o_bias=vec(f"{a}.o_proj.bias"), q_norm=vec(f"{a}.q_norm.weight"), k_norm=vec(f"{a}.k_norm.weight")))
-    embed_t = tensor("model.embed_tokens.weight")
-    embed = np.asarray(read_tensor(embed_t, p), dtype=np.float32)
-    head: Any = proj("lm_head.weight") if "lm_head.weight" in by_name else embed.T
+    table = proj("model.embed_tokens.weight")
+    embed: Any = table if not table.parts[0].is_float else np.asarray(table.parts[0].values(), dtype=np.float32)
+    tied = table if isinstance(embed, BlockWeight) else embed.T
+    head: Any = proj("lm_head.weight") if "lm_head.weight" in by_name else tied
     return DecoderWeights(embed=embed, norm=vec("model.norm.weight"), head=head,  # type: ignore[arg-type]
                           layers=layers)
