@@ -263,3 +263,29 @@ def test_devices_decoders_lists_llamacpp(ggufs: dict[str, Path]) -> None:
     data = json.loads(proc.stdout)
     text = json.dumps(data)
     assert "llamacpp" in text and "GGUF as stored" in text, text[:2000]
+
+
+def test_a_stored_files_probe_keeps_verdicts_and_tries_failures_again(
+        ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe's process answers; a compile that failed there (a transient state: memory, a plugin mid-upgrade)
+    # is tried again at the next start, while the probe step's own verdict is kept.
+    from dspark.llm.decoding import choose
+    from dspark.llm.decoding.runner import Target
+    from dspark.llm.decoding.spec import make_spec
+    from dspark.llm.gguf import load_runner
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    answers = [{"bad": "bid, then did not compile in the probe's process"}, {"bad": None, "verdict": True}]
+    asked: list[dict[str, Any]] = []
+
+    def child(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+        asked.append(req)
+        return answers[len(asked) - 1]
+
+    monkeypatch.setattr(choose, "_child", child)
+    runner, _ = load_runner(ggufs["q8_0"], weightless_if_quantized=True)
+    spec = make_spec(runner, ggufs["q8_0"], extra_features=frozenset({"gguf_stored"}))
+    t = Target("llamacpp@cpu", "llama.cpp", None, "llamacpp", "cpu")
+    assert choose._probe_isolated(t, spec, None) == answers[0]["bad"]
+    assert choose._probe_isolated(t, spec, None) is None  # asked again
+    assert choose._probe_isolated(t, spec, None) is None and len(asked) == 2  # kept

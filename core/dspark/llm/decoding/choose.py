@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = get_logger("dspark.llm.decoder")
 _NAMESPACE = "decoder-timings-v5"  # v5: timed in settled blocks, idle workers retired; keyed by the host CPU (v4)
-_PROBE_NAMESPACE = "decoder-probe-stored-v1"  # verdicts of _probe_isolated
+_PROBE_NAMESPACE = "decoder-probe-stored-v2"  # verdicts of _probe_isolated (v2: keyed by versions, failures not kept)
 
 
 @dataclass
@@ -145,11 +145,15 @@ def _child(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     return {"bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
-def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner] | None) -> str | None:
+def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner] | None,
+                    host: PluginHost | None = None) -> str | None:
     """The probe of a target running a quantized GGUF file as stored, against the file dequantized in a
-    process of its own (the serving process holds no torch copy); the verdict is cached per file, target and
-    runtime. A plugin that only lives in this process is probed here, with the reference loaded for it."""
-    key = {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime}
+    process of its own (the serving process holds no torch copy); the probe step's verdict is cached per file,
+    target, runtime and versions of the plugin and dspark (a failed compile or process is not: tried again next
+    start). A plugin that only lives in this process is probed here, with the reference loaded for it."""
+    rec = host.records.get(t.plugin or "") if host is not None else None
+    key = {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime,
+           "plugin_version": rec.version if rec is not None else "", "dspark": _dspark_version()}
     cached = disk.load(_PROBE_NAMESPACE, key)
     if cached is not None:
         return cached.get("bad")
@@ -164,7 +168,8 @@ def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], M
             return _probe(t.compiled, load_reference(), spec, t.precision)
         except Exception as exc:
             return f"the probe step raised {type(exc).__name__}: {exc}"
-    disk.store(_PROBE_NAMESPACE, key, out)
+    if out.get("verdict"):
+        disk.store(_PROBE_NAMESPACE, key, {"bad": out.get("bad")})
     return out.get("bad")
 
 
@@ -175,7 +180,7 @@ def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     assert t.compiled is not None
     try:
         if getattr(reference, "is_weightless", False):
-            bad = _probe_isolated(t, spec, load_reference)
+            bad = _probe_isolated(t, spec, load_reference, host)
         else:
             bad = _probe(t.compiled, reference, spec, t.precision, recorded)
     except Exception as exc:
@@ -436,7 +441,8 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
             bench = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs, max_seqs=max_seqs,
                           context=ctx, max_rows=130, vocab=vocab)
             hook_threads.retire_idle()  # the compile's leftover OpenMP team (a conversion) would slow what is timed
-            timed = time_targets({t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}, sl)
+            benches = {t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}
+            timed = time_targets(benches, sl)
             cached = {"step_ms": timed[t.label], "reference_ms": timed.get(REFERENCE)}
             disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
             del dr, bench
@@ -461,7 +467,7 @@ def _time_isolated(t: Target, spec: DecoderSpec, cfg: EngineConfig, host: Plugin
     serving process holds no decoder's weights or KV while it times another): the timings as the cache keeps
     them; False when it failed (declined, charged to its plugin); None when its plugin lives in this
     process only (timed here)."""
-    bad = _probe_isolated(t, spec, None) if t.plugin is not None else "no plugin"
+    bad = _probe_isolated(t, spec, None, host) if t.plugin is not None else "no plugin"
     if bad is not None and "cannot be loaded in a process of its own" in bad:
         return None
     if bad is None:

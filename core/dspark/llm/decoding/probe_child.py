@@ -3,11 +3,13 @@
 The engine that starts such a file holds no torch copy of its weights (decoding/setup.py); the probe's
 torch reference (the file dequantized to float) is loaded here instead, so the serving process never
 holds it. ``python -m dspark.llm.decoding.probe_child REQUEST_JSON`` prints one JSON line:
-``{"bad": null}`` (trusted), ``{"bad": "why"}`` (wrong or failing), or ``{"missing": "why"}`` when the
-plugin cannot be loaded here (one registered in the parent's process only). A request with ``"time"``
-(the engine's ``max_batch_size`` and prefill chunk) times the decoder at the engine's step shapes instead
-and prints ``{"step_ms": {...}}``: where several decoders run the file as stored, each is timed in a
-process of its own, so the serving process never holds one decoder's weights and KV while it times another.
+``{"bad": null}`` (trusted), ``{"bad": "why"}`` (wrong or failing; with ``"verdict": true`` when the probe
+step itself answered, which the parent caches: a compile or process that failed is tried again next start),
+or ``{"missing": "why"}`` when the plugin cannot be loaded here (one registered in the parent's process
+only). A request with ``"time"`` (the engine's ``max_batch_size`` and prefill chunk) times the decoder at the
+engine's step shapes instead and prints ``{"step_ms": {...}}``: where several decoders run the file as stored,
+each is timed in a process of its own, so the serving process never holds one decoder's weights and KV while
+it times another.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def run(req: dict[str, object]) -> dict[str, object]:
     if "time" in req:
         return _time(req, runner, compiled, plugin, device_id)
     try:
-        return {"bad": _probe(compiled, runner, spec)}
+        return {"bad": _probe(compiled, runner, spec), "verdict": True}  # the probe's own answer: kept
     except Exception as exc:
         return {"bad": f"the probe step raised {type(exc).__name__}: {exc}"}
 
