@@ -16,11 +16,12 @@ outputs ``key_new.N``/``value_new.N``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark.sdk.decoder import BlockPart, BlockWeight
+from dspark.sdk.decoder import BlockPart, BlockWeight, Unpacked
 from dspark.sdk.family import Attention, forward, stored_weights
 
 if TYPE_CHECKING:
@@ -174,7 +175,22 @@ class OpenVINOOps:
         rows = o.multiply(rows, o.gather(self.const(u.scale), ids, axis))
         return o.reshape(rows, self.const([-1, part.cols], I64), False)
 
-    def _blocks(self, parts: list[BlockPart]) -> Any:
+    def _block_matmul(self, x: Any, parts: list[BlockPart]) -> Any:
+        """``x @ W.T`` for parts of one block type. A float zero point per group (Q4_K's minimum) keeps OpenVINO
+        from quantizing the activations (its dynamic quantization takes integer zero points only), so such a
+        weight runs as ``x @ (scale * q).T - (x summed per group) @ (zero * scale).T``: the same values, the
+        4-bit integers without a zero point."""
+        us = [p.unpack() for p in parts] if not parts[0].is_float else []
+        if not us or us[0].zero is None or us[0].zero.ndim == 0:
+            return self.o.matmul(x, self._blocks(parts, us), transpose_a=False, transpose_b=True)
+        o = self.o
+        low = np.concatenate([u.zero * u.scale for u in us])  # type: ignore[operator]
+        n, groups, g = low.shape[0], low.shape[1], parts[0].group
+        y = o.matmul(x, self._blocks(parts, [replace(u, zero=None) for u in us]), transpose_a=False, transpose_b=True)
+        sums = o.reduce_sum(o.reshape(x, self.const([-1, groups, g], I64), False), self.const([2], I64), False)
+        return o.subtract(y, o.matmul(sums, self.const(low.reshape(n, groups)), transpose_a=False, transpose_b=True))
+
+    def _blocks(self, parts: list[BlockPart], us: list[Unpacked] | None = None) -> Any:
         """Parts of one GGUF block type (or one float part) as one weight ``[out, in]``: the blocks unpacked
         (one tensor at a time) into OpenVINO's weight-compression pattern, u4 or i8 constant -> Convert ->
         Subtract(zero) -> Multiply(scale) -> Reshape, which its CPU plugin runs as a compressed
@@ -182,7 +198,7 @@ class OpenVINOOps:
         o, ov = self.o, self.ov
         if parts[0].is_float:
             return self.weight(np.ascontiguousarray(parts[0].values()))
-        us = [p.unpack() for p in parts]
+        us = us or [p.unpack() for p in parts]
         q = us[0].q if len(us) == 1 else np.concatenate([u.q for u in us])
         n, groups, g = q.shape
         c = o.constant(q, dtype=ov.Type.i8 if us[0].bits == 8 else ov.Type.u4)
@@ -204,7 +220,7 @@ class OpenVINOOps:
                     runs[-1].append(p)
                 else:
                     runs.append([p])
-            ys = [self.o.matmul(x, self._blocks(r), transpose_a=False, transpose_b=True) for r in runs]
+            ys = [self._block_matmul(x, r) for r in runs]
             y = ys[0] if len(ys) == 1 else self.o.concat(ys, -1)
         else:
             w = self.weight(np.ascontiguousarray(weight.T)) if quant is None else self._compressed(weight, quant)
