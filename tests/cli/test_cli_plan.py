@@ -71,7 +71,7 @@ def test_run_reuses_a_matching_saved_plan(model: Path, saved_plan: tuple[Path, d
     x = np.random.default_rng(0).standard_normal((1, 32, 64)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
     r = dspark("run", str(model), "--plan", str(path), "--inputs", str(tmp_path / "x.npz"), "--repeat", "2", "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout[:3000]
     report = json.loads(r.stdout)
     assert report["plan_source"] == "loaded" and report["replan_reason"] is None
     assert report["ok"] and report["max_abs_error"] < 1e-3

@@ -332,6 +332,10 @@ def run_cmd(
             _print_run(report)
             print_faults(host.records.values(), out)
         if not ok:
+            bad = [f"{n} (max abs error {errors[n]:.3g})" for n in graph.outputs
+                   if not np.allclose(result[n], ref[n], rtol=rtol, atol=atol)]
+            err.print(f"outputs beyond the {worst} tolerance (rtol {rtol:g}, atol {atol:g}) of the torch reference: "
+                      + ", ".join(bad) + "; targets: " + ", ".join(f"{p.id}: {p.target.key}" for p in plan.partitions))
             raise typer.Exit(1)
 
 
