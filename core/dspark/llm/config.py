@@ -224,7 +224,8 @@ class EngineConfig(BaseModel):
         "fit in about this many milliseconds (at most 32), the engine's own work paid once per run; a request "
         "arriving meanwhile waits at most about this long to be admitted; with DeepSpec, a lone greedy request's copy "
         "runs (lookup-drafted verification steps) take the same budget; 0 = one step per call. LLM.generate, which "
-        "adds no request until its own have finished, runs up to 32 steps whatever the budget (any but 0)")
+        "adds no request until its own have finished, runs what fits in 250 ms (at most 32 steps) whatever the "
+        "budget (any but 0)")
     devices: str | None = Field(
         None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
         "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")

@@ -13,7 +13,7 @@ import torch
 from dspark.host.log import get_logger
 from dspark.llm.assembly import EngineParts, build_parts
 from dspark.llm.config import EngineConfig
-from dspark.llm.decoding.runs import MAX_RUN, RunLength, is_decode, run_limits, stop_ids
+from dspark.llm.decoding.runs import CLOSED_RUN_MS, MAX_RUN, RunLength, is_decode, run_limits, stop_ids
 from dspark.llm.detokenize import Detokenizer
 from dspark.llm.logits import (
     LogprobsPrefix,
@@ -141,7 +141,7 @@ class LLMEngine:
         ``LLM.generate``, skips building the others: a tenth of a millisecond a step at 32 requests; a
         request's first output then carries all its text in ``delta``). ``closed``: the caller adds no
         request until the ones it holds have finished (``LLM.generate``), so no arrival waits on a greedy
-        run and a run takes up to :data:`~dspark.llm.decoding.runs.MAX_RUN` steps, not ``decode_run_ms``.
+        run and a run takes what fits in :data:`~dspark.llm.decoding.runs.CLOSED_RUN_MS`, not ``decode_run_ms``.
 
         The one step loop, with or without speculation: the speculative decoder (when on) proposes
         drafts for the scheduled sequences and verifies them in the same target forward; only here
@@ -163,7 +163,7 @@ class LLMEngine:
                 return ran
         cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
         if spec is None or cap:
-            n = MAX_RUN if closed and self._run.budget_ms > 0 else self._run.steps()
+            n = self._run.steps(max(CLOSED_RUN_MS, self._run.budget_ms) if closed else None)
             ran = self._greedy_run(planned, n if cap is None else min(cap, n), t0, finished_only)
             if ran is not None:
                 return ran

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from dspark.llm.scheduler import ScheduledChunk
 
 MAX_RUN = 32  # steps in one run at most
+# A closed batch's run (LLM.generate: no arrival can wait on it) may last this long: the engine's work is then
+# paid a few times a second, and a run stays far inside the step watchdog's deadline on a large model.
+CLOSED_RUN_MS = 250.0
 
 
 class RunLength:
@@ -30,10 +33,12 @@ class RunLength:
         ms = forward_ms / max(steps, 1)
         self.step_ms = ms if self.step_ms is None else 0.7 * self.step_ms + 0.3 * ms
 
-    def steps(self) -> int:
-        if self.budget_ms <= 0 or not self.step_ms:
+    def steps(self, budget_ms: float | None = None) -> int:
+        """Steps of the next run: as many as fit in ``budget_ms`` (default: the engine's ``decode_run_ms``)."""
+        budget = self.budget_ms if budget_ms is None else budget_ms
+        if self.budget_ms <= 0 or budget <= 0 or not self.step_ms:
             return 1
-        return max(1, min(MAX_RUN, int(self.budget_ms / self.step_ms)))
+        return max(1, min(MAX_RUN, int(budget / self.step_ms)))
 
 
 def is_decode(p: ScheduledChunk) -> bool:
