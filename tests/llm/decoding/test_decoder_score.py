@@ -36,3 +36,18 @@ def test_batched_decode_prices_each_step_by_the_tokens_it_gives() -> None:
     batch_fast = {**ref, "decode_b32": 8.0}  # twice as fast at 32 at once only
     assert score(batch_fast, ref, sl) < 1.0 == score(ref, ref, sl)
     assert score({"decode_b1": 1.0}, {"prefill_128": 1.0}, sl) == float("inf")  # nothing in common
+
+
+def test_a_server_of_32_weighs_each_batch_size_by_time_not_tokens() -> None:
+    # The engine's start-up timings of the 0.5B Q4_K_M file (ms per step): llama.cpp steps one row faster,
+    # OpenVINO 8 and 32 rows and prefill faster.
+    one_row_fast = {"decode_b1": 25.2, "decode_b8": 68.8, "decode_b32": 164.1, "prefill_128": 333.8, "verify_k8": 57.5}
+    batch_fast = {"decode_b1": 31.5, "decode_b8": 64.1, "decode_b32": 102.9, "prefill_128": 266.1, "verify_k8": 58.3}
+    server = shapes(32, 128)
+    assert score(batch_fast, one_row_fast, server) < 1.0  # a server sized for 32 at once runs the batch-fast one
+    # an equal share of the tokens at each batch size would have chosen the other
+    tokens_share = sum(256 / 3 / s.seqs * one_row_fast[s.name] for s in server if s.name.startswith("decode_"))
+    assert tokens_share < sum(256 / 3 / s.seqs * batch_fast[s.name] for s in server if s.name.startswith("decode_"))
+    alone = shapes(1, 128)  # an engine of one sequence at a time runs the one-row-fast one
+    assert score(one_row_fast, batch_fast, alone) < 1.0
+    assert request_ms(batch_fast, server) < request_ms(one_row_fast, server)

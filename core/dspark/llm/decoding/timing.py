@@ -111,15 +111,23 @@ def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int =
 NOMINAL_PROMPT, NOMINAL_OUTPUT = 256, 256
 
 
+def decode_rate(step_ms: dict[str, float], decode: list[Shape]) -> float:
+    """Output tokens per ms over the decode shapes, each given an equal share of the time: the batch follows the
+    load, and an engine sized for b sequences at once runs its busy hours near b, where each step gives b
+    tokens. An equal share of the tokens instead spends nearly all of the time at one sequence (a one-row step
+    costs a token many times what a full step does) and chose a one-row-fast runtime for a server of 32."""
+    return sum(s.seqs / max(step_ms[s.name], 1e-9) for s in decode) / len(decode)
+
+
 def request_ms(step_ms: dict[str, float], shape_list: list[Shape], speculative: bool = False) -> float:
-    """The time of one nominal request in these step times: its prompt in prefill chunks, its output through
-    the decode shapes measured (each batch size an equal share of the tokens, a step of batch b giving b
-    of them), or with ``speculative``, half of it through k=8 verifications accepting 4 tokens each."""
+    """The time of one nominal request in these step times: its prompt in prefill chunks, its output at the
+    decode shapes' rate (:func:`decode_rate`), or with ``speculative``, half of it through k=8 verifications
+    accepting 4 tokens each."""
     decode = [s for s in shape_list if s.name.startswith("decode_") and s.name in step_ms]
     prefill = [s for s in shape_list if s.name.startswith("prefill_") and s.name in step_ms]
     verify = [s for s in shape_list if s.name.startswith("verify_") and s.name in step_ms]
     plain = NOMINAL_OUTPUT / 2 if speculative and verify else NOMINAL_OUTPUT
-    t = sum(plain / len(decode) / s.seqs * step_ms[s.name] for s in decode) if decode else 0.0
+    t = plain / decode_rate(step_ms, decode) if decode else 0.0
     t += sum(NOMINAL_PROMPT / s.rows / len(prefill) * step_ms[s.name] for s in prefill)
     if speculative and verify:
         t += sum((NOMINAL_OUTPUT - plain) / 4 / len(verify) * step_ms[s.name] for s in verify)
