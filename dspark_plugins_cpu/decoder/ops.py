@@ -136,6 +136,20 @@ class OpenVINOOps:
         var = o.reduce_mean(o.power(x, self.const(2.0)), self.const([-1], I64), keep_dims=True)
         return o.multiply(o.divide(x, o.sqrt(o.add(var, self.const(eps)))), self.const(weight))
 
+    def _int_constant(self, values: np.ndarray, kind: Any) -> Any:
+        """An integer weight constant of ``kind`` from one value a byte; 4-bit kinds (u4, i4) packed here two a
+        byte, low nibble first, as OpenVINO stores them (its ``constant(..., dtype=u4)`` goes through a Python
+        list of every value: most of a 0.5B file's load)."""
+        ov = self.ov
+        if kind not in (ov.Type.u4, ov.Type.i4):
+            return self.o.constant(values, dtype=kind)
+        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        if flat.size % 2:
+            flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+        tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))  # owns its bytes: read again after compile_model
+        tensor.data[:] = ((flat[0::2] & 15) | (flat[1::2] << 4)).view(tensor.data.dtype).reshape(tensor.data.shape)
+        return self.o.constant(tensor)
+
     def _compressed(self, w: np.ndarray, q: QuantSpec) -> Any:
         """``w`` [in, out] quantized as the canonical rounding does (dspark.sdk.quant), as the weight-compression
         pattern OpenVINO's CPU plugin runs natively: int8/int4 constant -> Convert -> Multiply(scales), [out, in]."""
@@ -148,12 +162,12 @@ class OpenVINOOps:
         g, groups = qw.group_size, qw.scales.shape[0]
         kind = ov.Type.i8 if qw.bits == 8 else ov.Type.i4
         if groups == 1:
-            c = o.constant(np.ascontiguousarray(vals.T), dtype=kind)
+            c = self._int_constant(np.ascontiguousarray(vals.T), kind)
             return o.multiply(o.convert(c, "f32"), self.const(np.ascontiguousarray(qw.scales.T)))
         padded = np.zeros((groups * g, n), dtype=np.int8)
         padded[:k] = vals
         blocks = np.ascontiguousarray(padded.reshape(groups, g, n).transpose(2, 0, 1))  # [out, groups, g]
-        deq = o.multiply(o.convert(o.constant(blocks, dtype=kind), "f32"),
+        deq = o.multiply(o.convert(self._int_constant(blocks, kind), "f32"),
                          self.const(np.ascontiguousarray(qw.scales.T)[:, :, None]))
         flat = o.reshape(deq, self.const([n, groups * g], I64), False)
         if groups * g != k:
@@ -201,7 +215,7 @@ class OpenVINOOps:
         us = us or [p.unpack() for p in parts]
         q = us[0].q if len(us) == 1 else np.concatenate([u.q for u in us])
         n, groups, g = q.shape
-        c = o.constant(q, dtype=ov.Type.i8 if us[0].bits == 8 else ov.Type.u4)
+        c = self._int_constant(q, ov.Type.i8 if us[0].bits == 8 else ov.Type.u4)
         w = o.convert(c, "f32")
         zeros = [u.zero for u in us]
         if zeros[0] is not None:
