@@ -239,4 +239,7 @@ def build_parts(model: str | Path, *, dtype: str | torch.dtype = "auto", config:
         raise TypeError("pass either config= or engine keyword arguments, not both")
     t_start = time.perf_counter()
     cfg = config or EngineConfig(**config_kw)
-    return _Builder(Path(model), dtype, cfg, Devices(plugin_host)).parts(t_start)
+    from dspark.llm.gguf.metadata import shared_readers
+
+    with shared_readers():
+        return _Builder(Path(model), dtype, cfg, Devices(plugin_host)).parts(t_start)

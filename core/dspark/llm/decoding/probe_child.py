@@ -72,4 +72,7 @@ def _time(req: dict[str, object], runner: object, compiled: object, plugin: str,
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    from dspark.llm.gguf.metadata import shared_readers
+
+    with shared_readers():
+        print(json.dumps(run(json.loads(sys.argv[1]))))

@@ -11,7 +11,10 @@ wrong.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +39,47 @@ def is_gguf(path: str | Path) -> bool:
     return p.suffix.lower() == ".gguf" and not p.is_dir()
 
 
+_shared: dict[tuple[str, int, int], Any] = {}
+_scopes = 0
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def shared_readers() -> Iterator[None]:
+    """Within it (an engine's start-up, on any thread), each GGUF file is parsed once: the config, the tokenizer,
+    the decoders' bids and the compile share one reader (parsing a file's metadata, its tokenizer's every
+    token, takes about a second). Outside, each open parses again and no reader is kept: a kept reader keeps
+    its memory map, and every weight page read through it stays in the process's resident memory."""
+    global _scopes
+    with _lock:
+        _scopes += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _scopes -= 1
+            if not _scopes:
+                _shared.clear()
+
+
 def open_reader(path: Path) -> Any:
     if not path.is_file():
         raise GGUFError(f"{path}: GGUF file does not exist")
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _lock:
+        if _scopes and key in _shared:
+            return _shared[key]
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        reader = GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError ... on a damaged file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    with _lock:
+        if _scopes:
+            _shared[key] = reader
+    return reader
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
