@@ -25,6 +25,7 @@ def test_one_reader_per_file_within_the_scope_on_any_thread(tmp_path: Path) -> N
         with shared_readers():  # nested scopes share it too
             assert open_reader(path) is first
         assert open_reader(path) is first  # the inner scope's end keeps what the outer one shares
+        assert open_reader(path, share=False) is not first  # one whose weights will be read: its own map
     assert open_reader(path) is not first  # after the start-up, nothing keeps it (nor its memory map)
     assert open_reader(path) is not open_reader(path)
 

@@ -39,7 +39,7 @@ def stored_weights(path: str | Path) -> DecoderWeights:
     from dspark.llm.gguf.tensors import ROPE_FREQS, shapes
 
     p = Path(path)
-    reader = open_reader(p)
+    reader = open_reader(p, share=False)  # its pages are read (unpacked): gone with the weights, not kept shared
     raw = to_config(read_metadata(reader), shapes(reader), p,
                     next((read_tensor(t, p) for t in reader.tensors if t.name == ROPE_FREQS), None))
     by_name = {name: t for t in reader.tensors if (name := hf_name(t.name)) is not None}

@@ -49,7 +49,8 @@ def shared_readers() -> Iterator[None]:
     """Within it (an engine's start-up, on any thread), each GGUF file is parsed once: the config, the tokenizer,
     the decoders' bids and the compile share one reader (parsing a file's metadata, its tokenizer's every
     token, takes about a second). Outside, each open parses again and no reader is kept: a kept reader keeps
-    its memory map, and every weight page read through it stays in the process's resident memory."""
+    its memory map, and every weight page read through it stays in the process's resident memory (hence
+    ``open_reader(share=False)`` for a reader whose weights will be read)."""
     global _scopes
     with _lock:
         _scopes += 1
@@ -62,13 +63,15 @@ def shared_readers() -> Iterator[None]:
                 _shared.clear()
 
 
-def open_reader(path: Path) -> Any:
+def open_reader(path: Path, *, share: bool = True) -> Any:
+    """The file's ``GGUFReader``; within :func:`shared_readers` and with ``share``, the one already parsed."""
     if not path.is_file():
         raise GGUFError(f"{path}: GGUF file does not exist")
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     with _lock:
-        if _scopes and key in _shared:
+        share = share and _scopes > 0
+        if share and key in _shared:
             return _shared[key]
     from gguf import GGUFReader
 
@@ -76,9 +79,10 @@ def open_reader(path: Path) -> Any:
         reader = GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError ... on a damaged file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-    with _lock:
-        if _scopes:
-            _shared[key] = reader
+    if share:
+        with _lock:
+            if _scopes:  # (the scope may have ended while the file was parsed)
+                reader = _shared.setdefault(key, reader)
     return reader
 
 
