@@ -269,7 +269,7 @@ def test_a_stored_files_probe_keeps_verdicts_and_tries_failures_again(
         ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The probe's process answers; a compile that failed there (a transient state: memory, a plugin mid-upgrade)
     # is tried again at the next start, while the probe step's own verdict is kept.
-    from dspark.llm.decoding import choose
+    from dspark.llm.decoding import stored
     from dspark.llm.decoding.runner import Target
     from dspark.llm.decoding.spec import make_spec
     from dspark.llm.gguf import load_runner
@@ -282,10 +282,43 @@ def test_a_stored_files_probe_keeps_verdicts_and_tries_failures_again(
         asked.append(req)
         return answers[len(asked) - 1]
 
-    monkeypatch.setattr(choose, "_child", child)
+    monkeypatch.setattr(stored, "child", child)
     runner, _ = load_runner(ggufs["q8_0"], weightless_if_quantized=True)
     spec = make_spec(runner, ggufs["q8_0"], extra_features=frozenset({"gguf_stored"}))
     t = Target("llamacpp@cpu", "llama.cpp", None, "llamacpp", "cpu")
-    assert choose._probe_isolated(t, spec, None) == answers[0]["bad"]
-    assert choose._probe_isolated(t, spec, None) is None  # asked again
-    assert choose._probe_isolated(t, spec, None) is None and len(asked) == 2  # kept
+    assert stored.probe_isolated(t, spec, None) == answers[0]["bad"]
+    assert stored.probe_isolated(t, spec, None) is None  # asked again
+    assert stored.probe_isolated(t, spec, None) is None and len(asked) == 2  # kept
+
+
+def test_a_stored_files_reference_is_recorded_once_and_each_decoder_probed_and_timed_in_one_process(
+        ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe's reference (the file dequantized) is recorded by the first probe's process and replayed by
+    # every later one, whatever its decoder's block size; a decoder not yet probed is probed and timed by one.
+    from dspark.llm.config import EngineConfig
+    from dspark.llm.decoding import stored
+    from dspark.llm.decoding.runner import Target
+    from dspark.llm.decoding.spec import make_spec
+    from dspark.llm.gguf import load_runner
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    asked: list[dict[str, Any]] = []
+    real = stored.child
+    monkeypatch.setattr(stored, "child", lambda req, env: asked.append(req) or real(req, env))
+    runner, _ = load_runner(ggufs["q8_0"], weightless_if_quantized=True)
+    spec = make_spec(runner, ggufs["q8_0"], extra_features=frozenset({"gguf_stored"}))
+    assert stored.load_transcript(spec, 16) is None
+    llama = Target("llamacpp@cpu", "llama.cpp", None, "llamacpp", "cpu")
+    assert stored.probe_isolated(llama, spec, None) is None
+    again = stored.load_transcript(spec, 32)
+    assert again is not None and again.block_size == 32 and len(again.events) > 5
+    blob = next((tmp_path / stored.TRANSCRIPT_NAMESPACE).glob("*.bin"))
+    recorded_at = blob.stat().st_mtime_ns
+    host, declined = PluginHost().load(), []
+    ov = Target("cpu@cpu", "OpenVINO", None, "cpu", "cpu")
+    timed = stored.time_isolated(ov, spec, EngineConfig(max_batch_size=1), host, declined)
+    assert declined == [] and isinstance(timed, dict) and timed["step_ms"]["decode_b1"] > 0, (timed, declined)
+    assert [r.get("probe") for r in asked] == [True, True] and "time" in asked[1]  # one process: probed, timed
+    assert blob.stat().st_mtime_ns == recorded_at  # replayed, not recorded again
+    assert stored.time_isolated(ov, spec, EngineConfig(max_batch_size=1), host, declined)
+    assert asked[2].get("probe") is False  # its verdict is kept: timed only

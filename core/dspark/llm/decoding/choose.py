@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +28,8 @@ import torch
 from dspark.host import cache as disk
 from dspark.host import hook_threads, hostinfo
 from dspark.host.log import get_logger
-from dspark.llm.decoding.conformance import record, replay
+from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
+from dspark.llm.decoding import stored
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import CONTEXT, Bench, request_ms, score, shapes, time_targets
@@ -49,7 +46,6 @@ if TYPE_CHECKING:
 
 log = get_logger("dspark.llm.decoder")
 _NAMESPACE = "decoder-timings-v5"  # v5: timed in settled blocks, idle workers retired; keyed by the host CPU (v4)
-_PROBE_NAMESPACE = "decoder-probe-stored-v2"  # verdicts of _probe_isolated (v2: keyed by versions, failures not kept)
 
 
 @dataclass
@@ -118,59 +114,27 @@ def _probe(decoder: CompiledDecoder | SequenceDecoder, reference: ModelRunner, s
     in (a BF16 GGUF file run as stored computes in bfloat16 whatever dtype the engine chose).
     ``recorded``: called once the reference's part is done, before the decoder's first step."""
     bs = 16 if is_sequence(decoder) else decoder.block_size  # type: ignore[union-attr]
-    blocks = max(8, -(-64 // bs) * 3 + 4)
-    cfg, dtype = reference.cfg, reference.dtype
-    transcript = record(reference, bs, prompt_lens=(5, 19), decode_steps=2, draft=3, num_blocks=blocks)
+    blocks = probe_blocks(bs)
+    transcript = record(reference, bs, num_blocks=blocks, **PROBE_SCENARIO)
     if recorded is not None:
         recorded()
-    r = replay(decoder, transcript, cfg, dtype, num_blocks=blocks)
-    exact = (spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
-             and precision in (None, "float32"))
-    tol, flips = (1e-2, 0.1) if exact else (1.0, 0.25)
-    if r.max_abs_diff > tol or r.flip_rate > flips:
-        return (f"its logits differ from the torch runner's by up to {r.max_abs_diff:.3g} with "
-                f"{r.argmax_flips}/{r.rows} argmax flips on the probe scenario")
-    return None
+    r = replay(decoder, transcript, reference.cfg, reference.dtype, num_blocks=blocks)
+    return r.why_not(exact(spec, precision))
 
 
-def _child(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """probe_child's answer to ``req``, or why it gave none."""
+def exact(spec: DecoderSpec, precision: str | None) -> bool:
+    """Float32 on both sides: the probe allows rounding only."""
+    return (spec.dtype == "float32" and not spec.quantization and "gguf_stored" not in spec.features
+            and precision in (None, "float32"))
+
+
+def _probe_here(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner]) -> str | None:
+    """The probe of a stored file's decoder whose plugin lives in this process only, the reference loaded here."""
+    assert t.compiled is not None
     try:
-        proc = subprocess.run([sys.executable, "-m", "dspark.llm.decoding.probe_child", json.dumps(req)],
-                              capture_output=True, text=True, timeout=900, env=env)
-    except subprocess.TimeoutExpired:
-        return {"bad": "the probe's process did not finish within 900 s"}
-    if proc.returncode == 0 and proc.stdout.strip():
-        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return {"bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
-
-
-def _probe_isolated(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner] | None,
-                    host: PluginHost | None = None) -> str | None:
-    """The probe of a target running a quantized GGUF file as stored, against the file dequantized in a
-    process of its own (the serving process holds no torch copy); the probe step's verdict is cached per file,
-    target, runtime and versions of the plugin and dspark (a failed compile or process is not: tried again next
-    start). A plugin that only lives in this process is probed here, with the reference loaded for it."""
-    rec = host.records.get(t.plugin or "") if host is not None else None
-    key = {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime,
-           "plugin_version": rec.version if rec is not None else "", "dspark": _dspark_version()}
-    cached = disk.load(_PROBE_NAMESPACE, key)
-    if cached is not None:
-        return cached.get("bad")
-    req = {"path": spec.path, "dtype": spec.dtype, "plugin": t.plugin, "device": t.device_id,
-           "fingerprint": spec.fingerprint, "max_num_tokens": spec.max_num_tokens, "max_num_seqs": spec.max_num_seqs}
-    out = _child(req, {**os.environ, "DSPARK_PLUGINS": str(t.plugin)})
-    if "missing" in out:
-        if load_reference is None:
-            return str(out["missing"])
-        assert t.compiled is not None
-        try:
-            return _probe(t.compiled, load_reference(), spec, t.precision)
-        except Exception as exc:
-            return f"the probe step raised {type(exc).__name__}: {exc}"
-    if out.get("verdict"):
-        disk.store(_PROBE_NAMESPACE, key, {"bad": out.get("bad")})
-    return out.get("bad")
+        return _probe(t.compiled, load_reference(), spec, t.precision)
+    except Exception as exc:
+        return f"the probe step raised {type(exc).__name__}: {exc}"
 
 
 def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost,
@@ -180,7 +144,8 @@ def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     assert t.compiled is not None
     try:
         if getattr(reference, "is_weightless", False):
-            bad = _probe_isolated(t, spec, load_reference, host)
+            bad = stored.probe_isolated(t, spec, None if load_reference is None else functools.partial(
+                _probe_here, t, spec, load_reference), host)
         else:
             bad = _probe(t.compiled, reference, spec, t.precision, recorded)
     except Exception as exc:
@@ -382,24 +347,15 @@ def _beat(first: Target, ranked: list[Target]) -> str:
     return "beat " + ", ".join(others) if others else "alone"
 
 
-@functools.cache
-def _dspark_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dspark")
-    except PackageNotFoundError:  # a source tree on the path, not installed
-        return ""
-
-
 def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost) -> dict[str, Any]:
     """A target's timings are kept per model, runtime, threads and shapes, per version of the plugin
     that compiled it (and of dspark, whose decoder definition it runs): a new release is timed again; and
     per host CPU (model, usable cores, ISA): a cache directory carried to another machine is not trusted."""
     rec = host.records.get(t.plugin or "")
-    return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime, "threads": torch.get_num_threads(),
+    return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime,
+            "threads": torch.get_num_threads(),
             "shapes": shape_names, "context": CONTEXT, "plugin_version": rec.version if rec is not None else "",
-            "dspark": _dspark_version(), "host": hostinfo.fingerprint()}
+            "dspark": stored.dspark_version(), "host": hostinfo.fingerprint()}
 
 
 def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: ModelRunner, spec: DecoderSpec,
@@ -423,7 +379,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
     for t in targets:
         cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
         if cached is None and weightless:
-            cached = _time_isolated(t, spec, cfg, host, declined)
+            cached = stored.time_isolated(t, spec, cfg, host, declined)
             if cached is False:
                 continue
             if cached is not None:
@@ -459,31 +415,6 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
         for t in out:
             t.score = score(t.step_ms, best.step_ms, sl, cfg.speculative.active)
     return out
-
-
-def _time_isolated(t: Target, spec: DecoderSpec, cfg: EngineConfig, host: PluginHost,
-                   declined: list[dict[str, str]]) -> dict[str, Any] | None | bool:
-    """Probe and time a target that runs a quantized GGUF file as stored, each in a process of its own (so the
-    serving process holds no decoder's weights or KV while it times another): the timings as the cache keeps
-    them; False when it failed (declined, charged to its plugin); None when its plugin lives in this
-    process only (timed here)."""
-    bad = _probe_isolated(t, spec, None, host) if t.plugin is not None else "no plugin"
-    if bad is not None and "cannot be loaded in a process of its own" in bad:
-        return None
-    if bad is None:
-        req = {"path": spec.path, "dtype": spec.dtype, "plugin": t.plugin, "device": t.device_id,
-               "fingerprint": spec.fingerprint, "max_num_tokens": spec.max_num_tokens,
-               "max_num_seqs": spec.max_num_seqs, "time": [cfg.max_batch_size, min(128, cfg.max_num_batched_tokens)]}
-        out = _child(req, {**os.environ, "DSPARK_PLUGINS": str(t.plugin)})
-        if "missing" in out:
-            return None
-        if "step_ms" in out:
-            return {"step_ms": out["step_ms"], "reference_ms": None}
-        bad = str(out.get("bad"))
-    declined.append({"label": t.label, "reason": bad})
-    if t.plugin is not None:
-        host.charge(t.plugin, "decoder.probe", bad, device=t.device_id)
-    return False
 
 
 def _log(choice: DecoderChoice) -> None:

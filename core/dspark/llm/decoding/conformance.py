@@ -36,6 +36,15 @@ class Conformance:
     def flip_rate(self) -> float:
         return self.argmax_flips / max(1, self.rows)
 
+    def why_not(self, exact: bool) -> str | None:
+        """Why these logits cannot be trusted, or None: ``exact`` (float32 both sides) allows rounding only;
+        otherwise (half precision, quantized) a few flips; a broken decoder is far off both."""
+        tol, flips = (1e-2, 0.1) if exact else (1.0, 0.25)
+        if self.max_abs_diff > tol or self.flip_rate > flips:
+            return (f"its logits differ from the torch runner's by up to {self.max_abs_diff:.3g} with "
+                    f"{self.argmax_flips}/{self.rows} argmax flips on the probe scenario")
+        return None
+
 
 def _as_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
@@ -48,6 +57,49 @@ class Transcript:
 
     block_size: int
     events: list[tuple[Any, ...]]
+
+
+# The engine's probe step: a short scenario (every kind of step, few rows), with the blocks it needs.
+PROBE_SCENARIO: dict[str, Any] = {"prompt_lens": (5, 19), "decode_steps": 2, "draft": 3}
+
+
+def probe_blocks(block_size: int) -> int:
+    return max(8, -(-64 // block_size) * 3 + 4)
+
+
+def to_state(t: Transcript) -> dict[str, Any]:
+    """The recording as lists, dicts and tensors only (``torch.load(..., weights_only=True)`` reads it back)."""
+    def chunks(cs: list[SeqChunk]) -> list[dict[str, Any]]:
+        return [dict(vars(c)) for c in cs]
+
+    out: list[list[Any]] = []
+    for kind, *args in t.events:
+        if kind == "step":
+            out.append([kind, chunks(args[0]), list(args[1])])
+        elif kind == "run":
+            first, limits, stop, toks, nxt, want = args
+            out.append([kind, chunks(first), list(limits), sorted(stop), toks, chunks(nxt), list(want)])
+        else:
+            out.append([kind, *args])
+    return {"block_size": t.block_size, "events": out}
+
+
+def from_state(state: dict[str, Any], block_size: int | None = None) -> Transcript:
+    """The recording :func:`to_state` wrote, replayed at ``block_size`` if given: the reference's logits do not
+    depend on how its cache is paged, so one recording serves decoders of any block size."""
+    def chunks(cs: list[dict[str, Any]]) -> list[SeqChunk]:
+        return [SeqChunk(**c) for c in cs]
+
+    events: list[tuple[Any, ...]] = []
+    for kind, *args in state["events"]:
+        if kind == "step":
+            events.append((kind, chunks(args[0]), list(args[1])))
+        elif kind == "run":
+            first, limits, stop, toks, nxt, want = args
+            events.append((kind, chunks(first), list(limits), frozenset(stop), toks, chunks(nxt), list(want)))
+        else:
+            events.append((kind, *args))
+    return Transcript(block_size or int(state["block_size"]), events)
 
 
 def record(runner: ModelRunner, block_size: int, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),

@@ -1,15 +1,14 @@
-"""The probe step of a decoder that runs a quantized GGUF file as stored, and its timing, in a process of its own.
+"""A decoder that runs a quantized GGUF file as stored, probed and timed in a process of its own (stored.py).
 
-The engine that starts such a file holds no torch copy of its weights (decoding/setup.py); the probe's
-torch reference (the file dequantized to float) is loaded here instead, so the serving process never
-holds it. ``python -m dspark.llm.decoding.probe_child REQUEST_JSON`` prints one JSON line:
-``{"bad": null}`` (trusted), ``{"bad": "why"}`` (wrong or failing; with ``"verdict": true`` when the probe
-step itself answered, which the parent caches: a compile or process that failed is tried again next start),
-or ``{"missing": "why"}`` when the plugin cannot be loaded here (one registered in the parent's process
-only). A request with ``"time"`` (the engine's ``max_batch_size`` and prefill chunk) times the decoder at the
-engine's step shapes instead and prints ``{"step_ms": {...}}``: where several decoders run the file as stored,
-each is timed in a process of its own, so the serving process never holds one decoder's weights and KV while
-it times another.
+``python -m dspark.llm.decoding.probe_child REQUEST_JSON`` prints one JSON line. With ``"probe"`` (the
+default when the request has no ``"time"``) the probe step runs: against the reference's recorded logits
+(stored.py keeps them per file), recorded first here when there are none (the file dequantized to float,
+let go before the decoder is compiled): ``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why",
+"verdict": true}`` (wrong or failing), which the parent caches. With ``"time"`` (the engine's
+``max_batch_size`` and prefill chunk) the decoder, if it passed, is timed at the engine's step shapes and
+``"step_ms"`` added. ``{"bad": "why"}`` without a verdict: a compile or process that failed (the parent tries
+it again next start); ``{"missing": "why"}``: the plugin cannot be loaded here (one registered in the parent's
+process only).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from pathlib import Path
 def run(req: dict[str, object]) -> dict[str, object]:
     from dspark.host.inventory import probe
     from dspark.host.plugin_manager import PluginHost
-    from dspark.llm.decoding.choose import _probe
     from dspark.llm.decoding.spec import make_spec
     from dspark.llm.gguf import load_runner
 
@@ -33,20 +31,59 @@ def run(req: dict[str, object]) -> dict[str, object]:
     if dev is None:
         return {"missing": f"plugin {plugin!r} on {device_id} cannot be loaded in a process of its own"}
     path = Path(str(req["path"]))
-    runner, _ = load_runner(path, str(req["dtype"]), weightless_if_quantized="time" in req)
+    runner, _ = load_runner(path, str(req["dtype"]), weightless_if_quantized=True)
     spec = make_spec(runner, path, max_num_tokens=int(str(req["max_num_tokens"])),
                      max_num_seqs=int(str(req["max_num_seqs"])), extra_features=frozenset({"gguf_stored"}))
     if spec.fingerprint != req["fingerprint"]:
         return {"bad": f"the file changed while it was probed ({spec.fingerprint} != {req['fingerprint']})"}
+    checked = bool(req.get("probe", "time" not in req))
+    if checked and _recorded(spec, path, str(req["dtype"])) is None:
+        return {"bad": "the reference could not be recorded"}
     compiled = host.call(plugin, "dspark_compile_decoder", decoder=spec, device=dev)
     if compiled is None:
         return {"bad": "bid, then did not compile in the probe's process"}
-    if "time" in req:
-        return _time(req, runner, compiled, plugin, device_id)
-    try:
-        return {"bad": _probe(compiled, runner, spec), "verdict": True}  # the probe's own answer: kept
-    except Exception as exc:
-        return {"bad": f"the probe step raised {type(exc).__name__}: {exc}"}
+    out: dict[str, object] = {}
+    if checked:
+        try:
+            out = {"bad": _replayed(compiled, runner, spec), "verdict": True}
+        except Exception as exc:
+            out = {"bad": f"the probe step raised {type(exc).__name__}: {exc}", "verdict": True}
+        if out["bad"] or "time" not in req:
+            return out
+    return {**out, **_time(req, runner, compiled, plugin, device_id)}
+
+
+def _recorded(spec: object, path: Path, dtype: str) -> object:
+    """The reference's recording of the probe scenario for this file: from the cache, or recorded here (the
+    file dequantized to float, let go before any decoder is compiled) and kept for every later probe."""
+    import gc
+
+    from dspark.llm.decoding import stored
+    from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record
+    from dspark.llm.gguf import load_runner
+
+    t = stored.load_transcript(spec, 16)  # type: ignore[arg-type]
+    if t is None:
+        reference, _ = load_runner(path, dtype)
+        t = record(reference, 16, num_blocks=probe_blocks(16), **PROBE_SCENARIO)
+        del reference
+        gc.collect()
+        stored.store_transcript(spec, t)  # type: ignore[arg-type]
+    return t
+
+
+def _replayed(compiled: object, runner: object, spec: object) -> str | None:
+    from dspark.llm.decoding import stored
+    from dspark.llm.decoding.choose import exact
+    from dspark.llm.decoding.conformance import probe_blocks, replay
+    from dspark.sdk.decoder import is_sequence
+
+    bs = 16 if is_sequence(compiled) else compiled.block_size  # type: ignore[attr-defined]
+    t = stored.load_transcript(spec, bs)  # type: ignore[arg-type]
+    assert t is not None
+    cfg, dtype = runner.cfg, runner.dtype  # type: ignore[attr-defined]
+    r = replay(compiled, t, cfg, dtype, num_blocks=probe_blocks(bs))  # type: ignore[arg-type]
+    return r.why_not(exact(spec, None))  # type: ignore[arg-type]
 
 
 def _time(req: dict[str, object], runner: object, compiled: object, plugin: str, device_id: str) -> dict[str, object]:
