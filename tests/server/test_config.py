@@ -158,6 +158,8 @@ def test_startup_log_lines(example_server: Any) -> None:
     assert loading["torch_threads"] == 1  # --cpu-cores overrides resources.cpu_cores_per_worker: 4
     loaded = next(e for e in events if e["event"].startswith("Model loaded"))
     assert loaded["max_model_len"] == 256 and loaded["model"] == "coder"
+    frozen = next(e for e in events if e["event"] == "heap frozen for the collector")  # before serving
+    assert frozen["objects"] > 10_000  # the runtimes' and the model's objects, out of every full collection
 
 
 def test_api_key_and_served_name(example_server: Any) -> None:

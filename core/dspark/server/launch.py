@@ -166,6 +166,7 @@ def serve(cfg: ServerConfig) -> None:
         log.warning("listening on a non-loopback address without an API key; anyone who can reach it can use it",
                     host=host)
     _route_stdlib_logs()
+    _freeze_heap()
     from dspark.server.shutdown import FLUSH_S, DrainingServer
 
     # The drain (DrainingServer) ends every request before uvicorn's own shutdown, whose grace time then
@@ -180,3 +181,16 @@ def serve(cfg: ServerConfig) -> None:
         kv = engine.stats()
         log.info("DSpark server stopped", kv_cache_used_bytes=kv.kv_used_bytes, requests_running=kv.num_running,
                  requests_waiting=kv.num_waiting)
+
+
+def _freeze_heap() -> None:
+    """Everything alive once the server is built (the runtimes' modules, the model, the app) moved out of the
+    cyclic collector's reach (``gc.freeze``, as vLLM does after warm-up and SGLang offers): every full
+    collection while serving would otherwise walk it all, stalling the engine and the event loop together
+    (docs/server.md). Garbage first, so none is frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    log.info("heap frozen for the collector", objects=gc.get_freeze_count())
+
