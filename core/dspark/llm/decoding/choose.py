@@ -28,8 +28,8 @@ import torch
 from dspark.host import cache as disk
 from dspark.host import hook_threads, hostinfo
 from dspark.host.log import get_logger
-from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding import stored
+from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import CONTEXT, Bench, request_ms, score, shapes, time_targets
