@@ -325,12 +325,7 @@ async def _one(client: Any, port: int, prompt: list[int], new: int) -> tuple[flo
     return ttft or (time.perf_counter() - t0), time.perf_counter() - t0, toks or new
 
 
-async def _batch(port: int, ps: list[list[int]], new: int, client: Any = None) -> dict[str, Any]:
-    import httpx
-
-    if client is None:
-        async with httpx.AsyncClient(limits=_limits()) as c:
-            return await _batch(port, ps, new, c)
+async def _batch(port: int, ps: list[list[int]], new: int, client: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = await asyncio.gather(*[_one(client, port, p, new) for p in ps])
     wall = time.perf_counter() - t0

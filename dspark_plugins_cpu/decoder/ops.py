@@ -143,7 +143,8 @@ class OpenVINOOps:
         ov = self.ov
         if kind not in (ov.Type.u4, ov.Type.i4):
             return self.o.constant(values, dtype=kind)
-        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        one_byte = np.uint8 if kind == ov.Type.u4 else np.int8
+        flat = np.ascontiguousarray(values, dtype=one_byte).reshape(-1).view(np.uint8)
         if flat.size % 2:
             flat = np.concatenate([flat, np.zeros(1, np.uint8)])
         tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))  # owns its bytes: read again after compile_model

@@ -307,11 +307,11 @@ def test_a_stored_files_reference_is_recorded_once_and_each_decoder_probed_and_t
     monkeypatch.setattr(stored, "child", lambda req, env: asked.append(req) or real(req, env))
     runner, _ = load_runner(ggufs["q8_0"], weightless_if_quantized=True)
     spec = make_spec(runner, ggufs["q8_0"], extra_features=frozenset({"gguf_stored"}))
-    assert stored.load_transcript(spec, 16) is None
+    assert stored.load_transcript(spec) is None
     llama = Target("llamacpp@cpu", "llama.cpp", None, "llamacpp", "cpu")
     assert stored.probe_isolated(llama, spec, None) is None
-    again = stored.load_transcript(spec, 32)
-    assert again is not None and again.block_size == 32 and len(again.events) > 5
+    again = stored.load_transcript(spec)
+    assert again is not None and again.block_size == 16 and len(again.events) > 5
     blob = next((tmp_path / stored.TRANSCRIPT_NAMESPACE).glob("*.bin"))
     recorded_at = blob.stat().st_mtime_ns
     host, declined = PluginHost().load(), []

@@ -84,9 +84,8 @@ def to_state(t: Transcript) -> dict[str, Any]:
     return {"block_size": t.block_size, "events": out}
 
 
-def from_state(state: dict[str, Any], block_size: int | None = None) -> Transcript:
-    """The recording :func:`to_state` wrote, replayed at ``block_size`` if given: the reference's logits do not
-    depend on how its cache is paged, so one recording serves decoders of any block size."""
+def from_state(state: dict[str, Any]) -> Transcript:
+    """The recording :func:`to_state` wrote."""
     def chunks(cs: list[dict[str, Any]]) -> list[SeqChunk]:
         return [SeqChunk(**c) for c in cs]
 
@@ -99,7 +98,7 @@ def from_state(state: dict[str, Any], block_size: int | None = None) -> Transcri
             events.append((kind, chunks(first), list(limits), frozenset(stop), toks, chunks(nxt), list(want)))
         else:
             events.append((kind, *args))
-    return Transcript(block_size or int(state["block_size"]), events)
+    return Transcript(int(state["block_size"]), events)
 
 
 def record(runner: ModelRunner, block_size: int, *, seed: int = 0, prompt_lens: tuple[int, int] = (11, 37),

@@ -62,7 +62,7 @@ def _recorded(spec: object, path: Path, dtype: str) -> Transcript:
     from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record
     from dspark.llm.gguf import load_runner
 
-    t = stored.load_transcript(spec, 16)  # type: ignore[arg-type]
+    t = stored.load_transcript(spec)  # type: ignore[arg-type]
     if t is None:
         reference, _ = load_runner(path, dtype)
         t = record(reference, 16, num_blocks=probe_blocks(16), **PROBE_SCENARIO)
@@ -82,7 +82,7 @@ def _replayed(compiled: object, runner: object, spec: object, recording: Transcr
 
     bs = 16 if is_sequence(compiled) else compiled.block_size  # type: ignore[attr-defined]
     cfg, dtype = runner.cfg, runner.dtype  # type: ignore[attr-defined]
-    at_bs = Transcript(bs, recording.events)  # the reference's logits do not depend on its cache's paging
+    at_bs = Transcript(bs, recording.events)  # (stored.load_transcript: any block size)
     r = replay(compiled, at_bs, cfg, dtype, num_blocks=probe_blocks(bs))  # type: ignore[arg-type]
     return r.why_not(exact(spec, None))  # type: ignore[arg-type]
 

@@ -49,8 +49,9 @@ def _transcript_key(spec: DecoderSpec) -> dict[str, Any]:
             "scenario": json.loads(json.dumps(PROBE_SCENARIO))}
 
 
-def load_transcript(spec: DecoderSpec, block_size: int) -> Transcript | None:
-    """The reference's recorded probe scenario for this file, replayed at ``block_size``; None if not recorded."""
+def load_transcript(spec: DecoderSpec) -> Transcript | None:
+    """The reference's recorded probe scenario for this file; None if not recorded. A decoder of another block
+    size replays its events as they are: the reference's logits do not depend on how its cache is paged."""
     import torch
 
     key = _transcript_key(spec)
@@ -58,7 +59,7 @@ def load_transcript(spec: DecoderSpec, block_size: int) -> Transcript | None:
     if disk.load(TRANSCRIPT_NAMESPACE, key) is None or not blob.is_file():
         return None
     try:
-        return from_state(torch.load(blob, weights_only=True), block_size)
+        return from_state(torch.load(blob, weights_only=True))
     except Exception:  # a damaged or foreign file: recorded again
         return None
 
@@ -87,10 +88,12 @@ def child(req: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     return {"bad": f"the probe's process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
-def _probe_key(t: Target, spec: DecoderSpec, host: PluginHost | None) -> dict[str, Any]:
+def _verdict(t: Target, spec: DecoderSpec, host: PluginHost | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The key of ``t``'s probe verdict on this file, and the verdict kept under it (None: not probed yet)."""
     rec = host.records.get(t.plugin or "") if host is not None else None
-    return {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime,
-            "plugin_version": rec.version if rec is not None else "", "dspark": dspark_version()}
+    key = {"fingerprint": spec.fingerprint, "target": t.label, "runtime": t.runtime,
+           "plugin_version": rec.version if rec is not None else "", "dspark": dspark_version()}
+    return key, disk.load(PROBE_NAMESPACE, key)
 
 
 def _request(t: Target, spec: DecoderSpec) -> dict[str, Any]:
@@ -109,8 +112,7 @@ def probe_isolated(t: Target, spec: DecoderSpec, probe_here: Callable[[], str | 
                    host: PluginHost | None = None) -> str | None:
     """Why ``t`` cannot be trusted on this file, or None: the cached verdict, or the probe's process's.
     ``probe_here``: the probe in this process, for a plugin that lives only in it (None: it is declined)."""
-    key = _probe_key(t, spec, host)
-    cached = disk.load(PROBE_NAMESPACE, key)
+    key, cached = _verdict(t, spec, host)
     if cached is not None:
         return cached.get("bad")
     out = _ask(t, {**_request(t, spec), "probe": True}, key)
@@ -127,8 +129,7 @@ def time_isolated(t: Target, spec: DecoderSpec, cfg: EngineConfig, host: PluginH
     if t.plugin is None:
         bad: str | None = "no plugin"
     else:
-        key = _probe_key(t, spec, host)
-        cached = disk.load(PROBE_NAMESPACE, key)
+        key, cached = _verdict(t, spec, host)
         bad = cached.get("bad") if cached is not None else None
         if not bad:
             req = {**_request(t, spec), "time": [cfg.max_batch_size, min(128, cfg.max_num_batched_tokens)],
