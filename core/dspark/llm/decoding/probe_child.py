@@ -2,8 +2,8 @@
 
 ``python -m dspark.llm.decoding.probe_child REQUEST_JSON`` prints one JSON line. With ``"probe"`` (the
 default when the request has no ``"time"``) the probe step runs: against the reference's recorded logits
-(stored.py keeps them per file), recorded first here when there are none (the file dequantized to float,
-let go before the decoder is compiled): ``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why",
+(stored.py keeps them per file), recorded first here when there are none (the file dequantized to float as
+its forward reaches each matrix, within a memory budget, and let go before the decoder is compiled): ``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why",
 "verdict": true}`` (wrong or failing), which the parent caches. With ``"time"`` (the engine's
 ``max_batch_size`` and prefill chunk) the decoder, if it passed, is timed at the engine's step shapes and
 ``"step_ms"`` added. ``{"bad": "why"}`` without a verdict: a compile or process that failed (the parent tries
@@ -55,16 +55,17 @@ def run(req: dict[str, object]) -> dict[str, object]:
 
 def _recorded(spec: object, path: Path, dtype: str) -> Transcript:
     """The reference's recording of the probe scenario for this file: from the cache, or recorded here (the
-    file dequantized to float, let go before any decoder is compiled) and kept for every later probe."""
+    file dequantized to float within a memory budget, dspark.llm.gguf.reference; let go before any decoder is
+    compiled) and kept for every later probe."""
     import gc
 
     from dspark.llm.decoding import stored
     from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record
-    from dspark.llm.gguf import load_runner
+    from dspark.llm.gguf.reference import reference_runner
 
     t = stored.load_transcript(spec)  # type: ignore[arg-type]
     if t is None:
-        reference, _ = load_runner(path, dtype)
+        reference = reference_runner(path, dtype)
         t = record(reference, 16, num_blocks=probe_blocks(16), **PROBE_SCENARIO)
         del reference
         gc.collect()
