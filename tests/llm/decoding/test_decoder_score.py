@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.llm.decoding.timing import NOMINAL_OUTPUT, NOMINAL_PROMPT, request_ms, score, shapes
+from dspark.llm.decoding.timing import NOMINAL_OUTPUT, NOMINAL_PROMPT, request_ms, score, scores, shapes
 
 SHAPES = shapes(1, 128)  # decode_b1, prefill_128, verify_k8
 TORCH = {"decode_b1": 5.0, "prefill_128": 25.0, "verify_k8": 8.0}
@@ -51,3 +51,29 @@ def test_a_server_of_32_weighs_each_batch_size_by_time_not_tokens() -> None:
     alone = shapes(1, 128)  # an engine of one sequence at a time runs the one-row-fast one
     assert score(one_row_fast, batch_fast, alone) < 1.0
     assert request_ms(batch_fast, server) < request_ms(one_row_fast, server)
+
+
+def test_targets_are_ranked_by_their_own_times_not_by_the_torch_runner_slowed_beside_them() -> None:
+    # The engine's start-up timings of the embedded BF16 file (ms per step), each target timed in turn beside the
+    # torch runner: beside OpenVINO the torch runner stepped one row in 6.49 ms, beside llama.cpp in 3.92 (they
+    # share OpenMP), beside ONNX Runtime in 3.74. OpenVINO's ratio to its own neighbour put it ahead (x1.15) of
+    # llama.cpp, which serves this file one request at a time 1.28x faster.
+    ov = {"decode_b1": 1.4099, "prefill_128": 4.2329, "verify_k8": 1.3934}
+    ov_ref = {"decode_b1": 6.4873, "prefill_128": 9.1159, "verify_k8": 4.7763}
+    llama = {"decode_b1": 0.8414, "prefill_128": 21.1093, "verify_k8": 3.0176}
+    llama_ref = {"decode_b1": 3.9196, "prefill_128": 8.8254, "verify_k8": 4.7772}
+    ort = {"decode_b1": 2.5378, "prefill_128": 15.2484, "verify_k8": 3.8571}
+    ort_ref = {"decode_b1": 3.736, "prefill_128": 9.5423, "verify_k8": 4.8339}
+    assert score(ov, ov_ref, SHAPES) < score(llama, llama_ref, SHAPES)  # the ratio to each one's neighbour
+    got, ref = scores({"cpu": ov, "llamacpp": llama, "npu": ort}, [ov_ref, llama_ref, ort_ref], SHAPES)
+    assert got["llamacpp"] < got["cpu"] < got["npu"] < 1.0
+    assert ref == {"decode_b1": 3.736, "prefill_128": 8.8254, "verify_k8": 4.7763}  # its fastest, shape by shape
+    assert got["cpu"] / got["llamacpp"] == pytest.approx(request_ms(ov, SHAPES) / request_ms(llama, SHAPES))
+
+
+def test_targets_timed_alone_are_scored_against_the_fastest() -> None:
+    # A file run as stored: each target timed in a process of its own, with no torch runner beside it.
+    fast, slow = {"decode_b1": 1.0, "prefill_128": 10.0}, {"decode_b1": 2.0, "prefill_128": 10.0}
+    got, ref = scores({"a": slow, "b": fast}, [], shapes(1, 128))
+    assert ref is None and got["b"] == 1.0 < got["a"]
+    assert scores({}, [], SHAPES) == ({}, None)

@@ -32,7 +32,7 @@ from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import CONTEXT, Bench, request_ms, score, shapes, time_targets
+from dspark.llm.decoding.timing import CONTEXT, Bench, scores, shapes, time_targets
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -363,8 +363,8 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
           prepare_reference: Callable[[ModelRunner], None] | None = None,
           load_reference: Callable[[], ModelRunner] | None = None) -> list[Target]:
     """Fill ``step_ms`` and ``score`` of every target that is admitted, and the reference's; returns those.
-    Each target is timed in turn beside the torch runner (its score is its time relative to the torch
-    runner's in the same minutes) and let go before the next is compiled, so only one plugin's copy of
+    Each target is timed in turn beside the torch runner (scored by its own times relative to the torch
+    runner's fastest: timing.scores) and let go before the next is compiled, so only one plugin's copy of
     the weights is held at a time. A warm start reads the timings from the disk cache and compiles nothing.
     A weightless runner (a quantized GGUF file run as stored) has no torch runner to time beside: each
     target is timed alone and scored relative to the fastest."""
@@ -376,6 +376,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
     ctx = min(CONTEXT, runner.cfg.max_position_embeddings - 130)
     max_seqs = max(s.seqs for s in sl)
     ref_bench: Bench | None = None
+    refs: list[dict[str, float]] = []  # the torch runner's times, one per target timed beside it
     for t in targets:
         cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
         if cached is None and weightless:
@@ -406,14 +407,14 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
             hostinfo.return_freed_memory()
         t.step_ms = dict(cached["step_ms"])
         if cached["reference_ms"] is not None:
-            t.score = score(t.step_ms, cached["reference_ms"], sl, cfg.speculative.active)
-            ref.step_ms = dict(cached["reference_ms"])
+            refs.append(dict(cached["reference_ms"]))
         out.append(t)
     ref.score = 1.0
-    if weightless and out:
-        best = min(out, key=lambda t: request_ms(t.step_ms, sl, cfg.speculative.active))
-        for t in out:
-            t.score = score(t.step_ms, best.step_ms, sl, cfg.speculative.active)
+    by_target, ref_ms = scores({t.label: t.step_ms for t in out}, refs, sl, cfg.speculative.active)
+    for t in out:
+        t.score = by_target[t.label]
+    if ref_ms is not None:
+        ref.step_ms = ref_ms
     return out
 
 

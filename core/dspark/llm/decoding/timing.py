@@ -141,3 +141,23 @@ def score(step_ms: dict[str, float], reference: dict[str, float], shape_list: li
     both = [s for s in shape_list if s.name in step_ms and reference.get(s.name, 0) > 0]
     ref = request_ms(reference, both, speculative)
     return request_ms(step_ms, both, speculative) / ref if ref > 0 else float("inf")
+
+
+def scores(step_ms: dict[str, dict[str, float]], reference_ms: list[dict[str, float]], shape_list: list[Shape],
+           speculative: bool = False) -> tuple[dict[str, float], dict[str, float] | None]:
+    """Every target's score (:func:`score`) and the torch runner's step times it is scored against.
+
+    Each target was timed beside the torch runner, so there is one reference timing per target; the torch
+    runner's own figure is its fastest time per shape over all of them. Beside some runtimes its steps are slower
+    (sharing the cores with OpenVINO's worker threads, not with llama.cpp's, whose OpenMP it shares), and a ratio
+    to the reference timed beside each target would credit that target with its neighbour's slowdown: the
+    targets are ranked by their own times. Without any reference timing (a file run as stored: each target
+    timed alone), the scores are relative to the fastest target."""
+    if reference_ms:
+        names = set.intersection(*(set(r) for r in reference_ms))
+        ref = {n: min(r[n] for r in reference_ms) for n in names}
+        return {k: score(ms, ref, shape_list, speculative) for k, ms in step_ms.items()}, ref
+    if not step_ms:
+        return {}, None
+    best = min(step_ms.values(), key=lambda ms: request_ms(ms, shape_list, speculative))
+    return {k: score(ms, best, shape_list, speculative) for k, ms in step_ms.items()}, None
