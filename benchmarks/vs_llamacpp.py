@@ -262,6 +262,7 @@ def _vmhwm_mb(pid: int) -> float | None:
 
 
 DECODE_RUN_MS: float | None = None  # --decode-run-ms
+BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
@@ -271,7 +272,9 @@ def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) ->
         cfg = {"model": {"path": file, "name": "m"}, "server": {"host": "127.0.0.1", "port": port},
                "engine": {"max_total_tokens": 8192, "max_model_len": 1024, "decoder": "auto",
                           "continuous_batching": {"max_batch_size": batch,
-                                                  **({} if DECODE_RUN_MS is None else {"decode_run_ms": DECODE_RUN_MS})},
+                                                  **({} if DECODE_RUN_MS is None else {"decode_run_ms": DECODE_RUN_MS}),
+                                                  **({} if BATCHED_TOKENS is None
+                                                     else {"max_num_batched_tokens": BATCHED_TOKENS})},
                           "speculative_decoding": {"enabled": spec}},
                "resources": {"cpu_cores_per_worker": threads, "enable_metrics": False},
                "observability": {"stats_log_interval_s": 0, "access_log": False}}
@@ -417,6 +420,8 @@ def main() -> None:
     ap.add_argument("--only", default="single,serve8,serve32,spec,checkpoint")
     ap.add_argument("--models", default=",".join(ROWS))
     ap.add_argument("--quick", action="store_true", help="a smoke test of the script, not a measurement")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="dspark serve's engine.continuous_batching.max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--decode-run-ms", type=float, default=None,
                     help="dspark serve's engine.continuous_batching.decode_run_ms (default: the engine's; 0 = no greedy runs)")
     ap.add_argument("--child")
@@ -433,8 +438,9 @@ def main() -> None:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     from dspark_llamacpp.runtime import extra_bufts
 
-    global REPACK, DECODE_RUN_MS
+    global REPACK, DECODE_RUN_MS, BATCHED_TOKENS
     DECODE_RUN_MS = args.decode_run_ms
+    BATCHED_TOKENS = args.max_num_batched_tokens
     # llama.cpp alone loads one sequence's model as the plugin would; llama-server repacks (its default) unless
     # the plugin never does here (an AMX build that faults, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.
     extra = REPACK = extra_bufts(1)
