@@ -391,7 +391,7 @@ def train_model(name: str, arch: dict, stream: torch.Tensor, args, exit_layers: 
         with autocast(args):
             if ul_step:  # the model's own greedy loops, penalised (scripts/unlikelihood.py)
                 loss, rep = seq_ul_loss(model, x, args.seq_ul_prefix, args.seq_ul_new, args.seq_ul_n,
-                                        args.seq_ul_count, args.seq_ul_scope)
+                                        args.seq_ul_count)
                 loss = args.seq_ul_weight * loss
                 run["ul"] = run.get("ul", 0.0) + loss.item()
                 run["rep"] = run.get("rep", 0.0) + rep
@@ -618,10 +618,8 @@ def write_card(path: Path, kind: str, info: dict):
             objective += (f" Every {a['seq_ul_every']}th step instead: sequence-level unlikelihood (Welleck et al. "
                           f"2019, `scripts/unlikelihood.py`) on {a['seq_ul_count']} greedy continuations of "
                           f"{a['seq_ul_new']} tokens from {a['seq_ul_prefix']}-token prefixes of the step's "
-                          f"windows: each continuation token that repeats a {a['seq_ul_n']}-gram "
-                          + ("the continuation itself gave earlier (a loop; a copy of the prefix is not one) "
-                             if a.get("seq_ul_scope") == "continuation" else "of its row ")
-                          + "is penalised by -log(1 - p), so greedy decoding falls into loops less often.")
+                          f"windows: each continuation token that repeats a {a['seq_ul_n']}-gram of its row is "
+                          "penalised by -log(1 - p), so greedy decoding falls into loops less often.")
     else:
         title = "stdlib-llama-draft — draft model for stdlib-llama"
         blurb = ("A much smaller Llama-architecture causal LM with the same tokenizer as "
@@ -821,9 +819,6 @@ def main():
     ap.add_argument("--seq-ul-n", type=int, default=6, help="an n-gram seen before in the row marks a repeat")
     ap.add_argument("--seq-ul-count", type=int, default=16, help="continuations per unlikelihood step")
     ap.add_argument("--seq-ul-weight", type=float, default=1.0)
-    ap.add_argument("--seq-ul-scope", choices=("context", "continuation"), default="context",
-                    help="which earlier n-grams make a repeat: the prefix's and the continuation's (context), or "
-                         "the continuation's own only (a loop, not a copy of the prefix)")
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--exit-layers", default="2")
     ap.add_argument("--exit-weight", type=float, default=0.3)

@@ -7,11 +7,6 @@ and every continuation token that completes an n-gram already seen in its contex
 continuation so far) is penalised by -log(1 - p(token)): the probability mass of the loop is pushed
 elsewhere, on the model's own outputs. Steps of this loss alternate with ordinary likelihood steps,
 which keep the model's perplexity.
-
-With ``scope="continuation"`` only an n-gram the continuation itself already gave counts: a loop is
-penalised, a copy of the prefix is not. Code repeats its context (names, calls, whole lines edited), and
-penalising every copy taught the model not to copy: prompt lookup's drafts on prompts that repeat their
-context were then rejected (benchmarks/speculative.py's ``edit``).
 """
 
 from __future__ import annotations
@@ -43,14 +38,13 @@ def greedy(model, prefix: torch.Tensor, new: int) -> torch.Tensor:
     return torch.cat(seq, 1)
 
 
-def repeats(seq: torch.Tensor, start: int, n: int, scope: str = "context") -> torch.Tensor:
+def repeats(seq: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """[b, len - start] booleans: the tokens from ``start`` on that belong to an n-gram which occurred
-    earlier in the same row (Welleck et al.'s candidates: every token of a repeated n-gram); with
-    ``scope="continuation"``, earlier among the n-grams ending at or after ``start`` only."""
+    earlier in the same row (Welleck et al.'s candidates: every token of a repeated n-gram)."""
     rows = seq.tolist()
     out = torch.zeros(seq.shape[0], seq.shape[1] - start, dtype=torch.bool)
     for b, row in enumerate(rows):
-        seen = set() if scope == "continuation" else {tuple(row[i:i + n]) for i in range(max(start - n + 1, 0))}
+        seen = {tuple(row[i:i + n]) for i in range(max(start - n + 1, 0))}
         for end in range(max(start, n - 1), len(row)):  # the n-gram row[end - n + 1 .. end]
             g = tuple(row[end - n + 1:end + 1])
             if g in seen:
@@ -61,11 +55,11 @@ def repeats(seq: torch.Tensor, start: int, n: int, scope: str = "context") -> to
 
 
 def seq_ul_loss(model, x: torch.Tensor, prefix_len: int, new: int, n: int,
-                count: int, scope: str = "context") -> tuple[torch.Tensor, float]:
+                count: int) -> tuple[torch.Tensor, float]:
     """(the unlikelihood loss over greedy continuations of prefixes of ``x``, the share of their tokens
     that repeat an n-gram): the loss is summed over the repeated tokens and divided by all tokens."""
     seq = greedy(model, prefixes(x, prefix_len, count), new)
-    cand = repeats(seq, prefix_len, n, scope)
+    cand = repeats(seq, prefix_len, n)
     logits = model(input_ids=seq[:, :-1], use_cache=False).logits[:, prefix_len - 1:]
     p = F.softmax(logits.float(), -1).gather(-1, seq[:, prefix_len:, None]).squeeze(-1)
     ul = -torch.log((1.0 - p).clamp_min(1e-5)) * cand
