@@ -25,6 +25,9 @@ import dspark_plugins_cpu as openvino
 
 RTOL, ATOL = TOLERANCES["float32"]
 EXTRA_S = 0.02
+# The slowed target's sleep where a test checks how well the learned correction predicts its next runs: a
+# stall of the busy machine (a run 50 ms late beside a 20 ms sleep) is a small part of it.
+EXTRA_S_PREDICTED = 0.2
 
 
 class Sleepy:
@@ -98,10 +101,10 @@ class FakeNPU:
         return Exe()
 
 
-def slow_host() -> tuple[PluginHost, Inventory]:
+def slow_host(extra_s: float = EXTRA_S) -> tuple[PluginHost, Inventory]:
     # Only the slowed OpenVINO and the real ONNX Runtime CPU EP ("npu" plugin) compete.
     host = PluginHost(PluginSettings(blocked={"cpu", "cuda", "torch", "ngram", "llamacpp"}))
-    host.register(SlowOpenVINO(), "slow-ov")  # before probing
+    host.register(SlowOpenVINO(extra_s), "slow-ov")  # before probing
     host.load()
     inv = probe(host)
     if {f"{d.plugin}@{d.id}" for d in inv.drivers()} != {"slow-ov@cpu", "npu@cpu"}:
@@ -122,7 +125,7 @@ def targets(runner: AdaptiveRunner) -> set[str]:
 
 def test_slow_backend_loses_its_ops(demo: tuple[Graph, dict[str, np.ndarray], np.ndarray]) -> None:
     graph, x, ref = demo
-    host, inv = slow_host()
+    host, inv = slow_host(EXTRA_S_PREDICTED)
     runner = AdaptiveRunner(graph, host, inv, threshold=0.1, min_runs=3)
     assert "slow-ov@cpu" in targets(runner), runner.plan.gate
     for _ in range(8):
