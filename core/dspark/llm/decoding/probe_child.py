@@ -3,10 +3,10 @@
 ``python -m dspark.llm.decoding.probe_child REQUEST_JSON`` prints one JSON line. With ``"probe"`` (the
 default when the request has no ``"time"``) the probe step runs: against the reference's recorded logits
 (stored.py keeps them per file), recorded first here when there are none (the file dequantized to float as
-its forward reaches each matrix, within a memory budget, and let go before the decoder is compiled): ``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why",
-"verdict": true}`` (wrong or failing), which the parent caches. With ``"time"`` (the engine's
-``max_batch_size`` and prefill chunk) the decoder, if it passed, is timed at the engine's step shapes and
-``"step_ms"`` added. ``{"bad": "why"}`` without a verdict: a compile or process that failed (the parent tries
+its forward reaches each matrix, within a memory budget, and let go before the decoder is compiled):
+``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why", "verdict": true}`` (wrong or failing), which
+the parent caches. With ``"time"`` (the engine's ``max_batch_size`` and prefill chunk) the decoder, if it
+passed, is timed at the engine's step shapes and ``"step_ms"`` added. ``{"bad": "why"}`` without a verdict: a compile or process that failed (the parent tries
 it again next start); ``{"missing": "why"}``: the plugin cannot be loaded here (one registered in the parent's
 process only).
 """

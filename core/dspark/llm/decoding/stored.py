@@ -5,9 +5,9 @@ dequantized to float, within a memory budget: dspark.llm.gguf.reference) is load
 (``probe_child``), never in the serving one. The reference is needed only for its logits on the probe
 scenario: the first probe records them before its decoder is compiled (the reference gone by then) and keeps
 the recording on disk, and every later probe, of any decoder, replays it; the file is dequantized once per
-version of the file and of dspark, not once per decoder. A decoder's probe and its timing share one process and one compile. Verdicts of the probe step are cached
-(per file, target, runtime and versions of the plugin and dspark); a compile or process that failed is not:
-it is tried again at the next start.
+version of the file and of dspark, not once per decoder. A decoder's probe and its timing share one process
+and one compile. Verdicts of the probe step are cached (per file, target, runtime and versions of the plugin
+and dspark); a compile or process that failed is not: it is tried again at the next start.
 """
 
 from __future__ import annotations

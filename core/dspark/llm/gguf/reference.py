@@ -142,7 +142,7 @@ class ReferenceRunner(ModelRunner):
 def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget: int | None = None) -> ReferenceRunner:
     """The file's torch runner with its quantized matrices dequantized at use, keeping at most ``budget`` bytes
     of them (None: :func:`default_budget`). Float tensors (norms, biases, F32/F16/BF16 matrices) load as stored."""
-    from dspark.llm.gguf import load_gguf
+    from dspark.llm.gguf import GGUFError, load_gguf
     from dspark.llm.gguf.metadata import open_reader
     from dspark.llm.gguf.tensors import ROPE_FREQS, hf_name, read_tensor, _unpermute
     from dspark.llm.runner.layout import HEAD, PROJECTIONS
@@ -178,9 +178,10 @@ def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget
     lazy: dict[str, list[Part]] = {}
     for li in range(cfg.num_hidden_layers):
         for proj, _, _, _ in PROJECTIONS:
-            names = [f"model.layers.{li}.{n}.weight" for n in (groups[proj] if not cfg.fused_projections
-                                                              or proj not in groups else (proj,))]
-            names = [n for n in names if n in src] or names
+            names = [f"model.layers.{li}.{n}.weight" for n in ((proj,) if cfg.fused_projections else groups[proj])]
+            missing = [n for n in names if n not in src]
+            if missing:
+                raise GGUFError(f"{p}: the file holds no tensor for {missing[0]}")
             parts = [src[n] for n in names]
             if any(isinstance(x, _Matrix) for x in parts):
                 lazy[f"model.layers.{li}.{proj}"] = parts
