@@ -213,15 +213,15 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))  # a cold start: every target is timed
     # Every target really runs its timing steps (so each is compiled and held while timed), but which one
-    # wins is set here, not by this machine's speed: "one" at 0.5x the torch runner's recorded time, "two"
-    # at 0.7x (a real ranking would be a race a busy machine can lose).
+    # wins is set here, not by this machine's speed: the recorded times are fixed, "one" at 0.5x the torch
+    # runner's, "two" at 0.7x (a real ranking, or the torch runner's time measured beside each, would be a
+    # race a busy machine can lose).
     real_time = choose.time_targets
 
     def recorded(benches: dict[str, Any], shape_list: Any) -> dict[str, dict[str, float]]:
         out = real_time(benches, shape_list, reps=1, blocks=1)
-        ref = out[REFERENCE]
-        return {k: ref if k == REFERENCE else {n: ms * (0.5 if k == "one@cpu" else 0.7) for n, ms in ref.items()}
-                for k in out}
+        return {k: {n: 1.0 if k == REFERENCE else 0.5 if k == "one@cpu" else 0.7 for n in ms}
+                for k, ms in out.items()}
 
     monkeypatch.setattr(choose, "time_targets", recorded)
     loaded, loads = _watch_loads(monkeypatch)
