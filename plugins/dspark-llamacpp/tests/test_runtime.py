@@ -205,6 +205,15 @@ def test_many_sequences_get_a_cache_each_within_the_budget(gguf_file: Path, monk
     assert dec.allocate(256, 32).n_ctx == 32 * 256
 
 
+def test_a_cache_per_sequence_is_taken_only_where_the_memory_is_there() -> None:
+    # The 0.5B file (20 layers, 4 KV heads of 128: 80 KiB of f32 K/V a token) at 32 sequences of 1,024 tokens
+    # against an engine budget of 8,192 tokens: a cache per sequence is 2.5 GiB, four times the budget.
+    per_token = 2 * 20 * 4 * 128 * 4
+    assert plugin.split_fits(32 * 1024, 8192, per_token, 23 << 30)  # a 23 GB machine: the faster layout
+    assert not plugin.split_fits(32 * 1024, 8192, per_token, 4 << 30)  # a 4 GB box: the budget's shared cache
+    assert not plugin.split_fits(32 * 4096, 8192, per_token, 1 << 40)  # 16x the budget: never
+
+
 def test_cancel_from_another_thread_stops_a_decode_and_the_context_goes_on(gguf_file: Path) -> None:
     # The engine's watchdog calls cancel() (API 1.11) from its own thread while a step runs on the engine's.
     import threading

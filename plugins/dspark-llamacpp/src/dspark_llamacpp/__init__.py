@@ -29,6 +29,7 @@ DSPARK_API_VERSION = "1.13"  # cancel(); pages released (dspark.sdk.release_file
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
 KV_SPLIT_BUDGET = 4  # a cache per sequence may take up to this many times the engine's KV budget
+KV_SPLIT_MEMORY = 0.5  # ... and at most this share of the host's available memory (an edge box's)
 _models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _models_lock = threading.Lock()
 
@@ -141,6 +142,15 @@ def load_model(path: Path, max_seqs: int = 1) -> Any:
         return m
 
 
+def split_fits(split_tokens: int, budget_tokens: int, bytes_per_token: int, available_bytes: int) -> bool:
+    """Whether a cache per sequence (``split_tokens`` cells in all) is taken over one shared cache of the
+    engine's ``budget_tokens``: at most :data:`KV_SPLIT_BUDGET` times the budget, and within
+    :data:`KV_SPLIT_MEMORY` of the host's available memory, so that the engine's budget is exceeded only where
+    the memory is there (a box sized for the budget gets the shared cache)."""
+    return (split_tokens <= KV_SPLIT_BUDGET * budget_tokens
+            and split_tokens * bytes_per_token <= KV_SPLIT_MEMORY * available_bytes)
+
+
 class LlamaDecoder:
     """A compiled decoder in API 1.8's sequence mode: each KV store is a llama.cpp context."""
 
@@ -152,6 +162,7 @@ class LlamaDecoder:
         self.n_batch = max(64, min(spec.max_num_tokens, 4096))
         self.vocab = spec.vocab_size
         self.max_len = spec.max_position_embeddings
+        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32 K and V
         self._running: Any = None  # the context a step is decoding in (what cancel() stops)
         self._cancel_lock = threading.Lock()
         if model.n_vocab < spec.vocab_size:
@@ -162,10 +173,12 @@ class LlamaDecoder:
             raise ValueError(f"llama.cpp holds at most {MAX_SEQS} sequences per context, {max_seqs} asked")
         # A unified cache makes every row attend over every sequence's cells (masked): at many sequences that
         # is most of a step. A cache per sequence needs each to hold a whole context, so it is taken only while
-        # that costs at most KV_SPLIT_BUDGET times the engine's budget (DSPARK_LLAMACPP_KV=unified|split forces).
+        # that costs at most KV_SPLIT_BUDGET times the engine's budget and fits in KV_SPLIT_MEMORY of the
+        # memory available now (DSPARK_LLAMACPP_KV=unified|split forces).
         per_seq = min(self.max_len, num_tokens)
         mode = os.environ.get("DSPARK_LLAMACPP_KV", "auto")
-        split = max_seqs > 1 and (mode == "split" or (mode == "auto" and max_seqs * per_seq <= KV_SPLIT_BUDGET * num_tokens))
+        split = max_seqs > 1 and (mode == "split" or (mode == "auto" and split_fits(
+            max_seqs * per_seq, num_tokens, self.kv_bytes_per_token, hostinfo.memory()[1])))
         n_ctx = max_seqs * per_seq if split else num_tokens
         return _runtime().Context(self.model, n_ctx=n_ctx, n_seq_max=max_seqs, n_batch=self.n_batch,
                                   threads=self.threads, unified=not split)
