@@ -29,16 +29,16 @@ HEAD_SLICE_ROWS = 4096  # rows of an unkept head (or embedding, as a tied head) 
 
 
 def default_budget() -> int:
-    """``DSPARK_REFERENCE_BYTES`` if set, else half of the memory available now."""
+    """``DSPARK_REFERENCE_BYTES`` if set, else half of the memory available now (a cgroup's limit honoured)."""
     env = os.environ.get(BUDGET_ENV)
     if env:
         try:
             return max(0, int(env))
         except ValueError as e:
             raise ValueError(f"{BUDGET_ENV}={env!r}: expected a number of bytes") from e
-    import psutil
+    from dspark.host import hostinfo
 
-    return int(psutil.virtual_memory().available // 2)
+    return hostinfo.memory()[1] // 2
 
 
 @dataclass
