@@ -6,9 +6,9 @@ default when the request has no ``"time"``) the probe step runs: against the ref
 its forward reaches each matrix, within a memory budget, and let go before the decoder is compiled):
 ``{"bad": null, "verdict": true}`` (trusted) or ``{"bad": "why", "verdict": true}`` (wrong or failing), which
 the parent caches. With ``"time"`` (the engine's ``max_batch_size`` and prefill chunk) the decoder, if it
-passed, is timed at the engine's step shapes and ``"step_ms"`` added. ``{"bad": "why"}`` without a verdict: a compile or process that failed (the parent tries
-it again next start); ``{"missing": "why"}``: the plugin cannot be loaded here (one registered in the parent's
-process only).
+passed, is timed at the engine's step shapes and ``"step_ms"`` added. ``{"bad": "why"}`` without a verdict:
+a compile or process that failed (the parent tries it again next start); ``{"missing": "why"}``: the plugin
+cannot be loaded here (one registered in the parent's process only).
 """
 
 from __future__ import annotations

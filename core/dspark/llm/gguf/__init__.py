@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dspark.llm.runner.quant_plan import QuantPlan
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "is_gguf", "is_quantized", "load_gguf",
-           "load_runner", "read_tokenizer_config", "write_checkpoint"]
+           "load_runner", "read_tokenizer_config", "tensor_dtype", "write_checkpoint"]
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SOURCE_FILE = "dspark_gguf_source.json"  # what write_checkpoint records about the file it came from
 
@@ -64,7 +64,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
     from dspark.llm.gguf.metadata import open_reader, read_metadata, to_config
     from dspark.llm.gguf.tensors import ROPE_FREQS, load_tensors, read_tensor, shapes, stored_types
     from dspark.llm.gguf.tokenizer import build_tokenizer, tokenizer_config
-    from dspark.llm.runner.loader import check_shapes, parse_config, resolve_dtype
+    from dspark.llm.runner.loader import check_shapes, parse_config
 
     p = Path(path)
     reader = open_reader(p)
@@ -72,7 +72,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
     rope_freqs = next((read_tensor(t, p) for t in reader.tensors if t.name == ROPE_FREQS), None)
     raw = to_config(md, shapes(reader), p, rope_freqs)
     cfg = parse_config(raw, str(p))
-    tdtype = resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
+    tdtype = tensor_dtype(cfg, dtype)
     if tensors:
         weights, stored = load_tensors(reader, raw, p, tdtype)
         check_shapes(cfg, weights, p)
@@ -80,6 +80,14 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
         weights, stored = {}, stored_types(reader)
     return GGUFModel(path=p, raw_config=raw, cfg=cfg, weights=weights, stored=stored,
                      tokenizer=build_tokenizer(md, p), tokenizer_config=tokenizer_config(md))
+
+
+def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype) -> torch.dtype:
+    """The float type the file's tensors are read as: ``dtype`` ("stored": the file's float type, float32 when
+    anything is quantized)."""
+    from dspark.llm.runner.loader import resolve_dtype
+
+    return resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
 
 
 def is_quantized(g: GGUFModel) -> bool:

@@ -5,7 +5,7 @@ Projections come as :class:`dspark.types.blocks.BlockWeight` (q, k, v stacked fo
 in its own type; the embedding table (a runtime gathers its rows) and a tied head
 as one such part too, unless the file stores it as floats; norms and biases as
 float32 arrays. A Llama's q/k rows keep llama.cpp's interleaved order on disk and
-carry the permutation back to Hugging Face's (``tensors._unpermute``) as a row order.
+carry the permutation back to Hugging Face's (``tensors.unpermute``) as a row order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dspark.llm.gguf.metadata import GGUFError
-from dspark.llm.gguf.tensors import _unpermute, hf_name, read_tensor
+from dspark.llm.gguf.tensors import hf_name, permuted_heads, read_tensor, unpermute
 from dspark.types.blocks import BlockPart, BlockWeight
 from dspark.types.decoder import DecoderWeights, LayerWeights
 
@@ -43,13 +43,10 @@ def stored_weights(path: str | Path) -> DecoderWeights:
     raw = to_config(read_metadata(reader), shapes(reader), p,
                     next((read_tensor(t, p) for t in reader.tensors if t.name == ROPE_FREQS), None))
     by_name = {name: t for t in reader.tensors if (name := hf_name(t.name)) is not None}
-    llama = raw["model_type"] == "llama"
 
     def order(name: str, rows: int) -> np.ndarray | None:
-        if not llama or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            return None
-        heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]
-        return _unpermute(np.arange(rows), heads)
+        heads = permuted_heads(raw["model_type"], name, raw["num_attention_heads"], raw["num_key_value_heads"])
+        return None if heads is None else unpermute(np.arange(rows), heads)
 
     def tensor(name: str) -> Any:
         if name not in by_name:

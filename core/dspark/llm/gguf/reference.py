@@ -53,7 +53,7 @@ class _Matrix:
 
     tensor: Any  # the reader's tensor: data is [out, bytes a row]
     dtype: torch.dtype
-    heads: int | None  # Llama's q/k rows to put back in Hugging Face's order (tensors._unpermute)
+    heads: int | None  # Llama's q/k rows to put back in Hugging Face's order (tensors.unpermute)
     budget: _Budget
     held: torch.Tensor | None = field(default=None, repr=False)
     tried: bool = False  # the budget was asked once, at first use: what is kept is decided in forward order
@@ -62,7 +62,7 @@ class _Matrix:
     def nbytes(self) -> int:
         rows = int(self.tensor.data.shape[0])
         cols = int(self.tensor.shape[0])  # ggml's first dimension: the row's length
-        return rows * cols * torch.empty(0, dtype=self.dtype).element_size()
+        return rows * cols * self.dtype.itemsize
 
     def rows(self, sl: slice | np.ndarray) -> torch.Tensor:
         """The float rows ``sl`` (no row permutation: the embedding and the head)."""
@@ -79,11 +79,11 @@ class _Matrix:
             return self.held
         from gguf import dequantize
 
-        from dspark.llm.gguf.tensors import _unpermute
+        from dspark.llm.gguf.tensors import unpermute
 
         w = np.asarray(dequantize(self.tensor.data, self.tensor.tensor_type), dtype=np.float32)
         if self.heads is not None:
-            w = _unpermute(w, self.heads)
+            w = unpermute(w, self.heads)
         out = torch.from_numpy(np.ascontiguousarray(w)).to(self.dtype)
         if not self.tried:
             self.tried = True
@@ -142,16 +142,15 @@ class ReferenceRunner(ModelRunner):
 def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget: int | None = None) -> ReferenceRunner:
     """The file's torch runner with its quantized matrices dequantized at use, keeping at most ``budget`` bytes
     of them (None: :func:`default_budget`). Float tensors (norms, biases, F32/F16/BF16 matrices) load as stored."""
-    from dspark.llm.gguf import GGUFError, load_gguf
+    from dspark.llm.gguf import GGUFError, load_gguf, tensor_dtype
     from dspark.llm.gguf.metadata import open_reader
-    from dspark.llm.gguf.tensors import ROPE_FREQS, hf_name, read_tensor, _unpermute
-    from dspark.llm.runner.layout import HEAD, PROJECTIONS
-    from dspark.llm.runner.loader import resolve_dtype
+    from dspark.llm.gguf.tensors import ROPE_FREQS, hf_name, permuted_heads, read_tensor, unpermute
+    from dspark.llm.runner.layout import HEAD, PROJECTION_PARTS, PROJECTIONS
 
     p = Path(path)
     g = load_gguf(p, dtype, tensors=False)
     cfg = g.cfg
-    tdtype = resolve_dtype((cfg.torch_dtype or "float32") if dtype == "stored" else dtype, cfg)
+    tdtype = tensor_dtype(cfg, dtype)
     bud = _Budget(default_budget() if budget is None else max(0, budget))
     arch = g.raw_config["model_type"]
     src: dict[str, Part] = {}
@@ -159,35 +158,31 @@ def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget
         name = hf_name(t.name)
         if name is None or t.name == ROPE_FREQS:
             continue
-        heads = None
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+        heads = permuted_heads(arch, name, cfg.num_attention_heads, cfg.num_key_value_heads)
         if t.tensor_type.name in ("F32", "F16", "BF16") or len(t.shape) != 2:
             w = read_tensor(t, p)
-            w = _unpermute(w, heads) if heads is not None else w
+            w = unpermute(w, heads) if heads is not None else w
             src[name] = torch.from_numpy(np.array(w)).to(tdtype)
         else:
             src[name] = _Matrix(t, tdtype, heads, bud)
 
-    def placeholder(m: Part) -> torch.Tensor:
-        return m if isinstance(m, torch.Tensor) else torch.empty((int(m.tensor.data.shape[0]), 0), dtype=tdtype)
-
-    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-              "self_attn.o_proj": ("self_attn.o_proj",), "mlp.down_proj": ("mlp.down_proj",)}
     lazy: dict[str, list[Part]] = {}
+    by_parts: set[str] = set()  # tensors a lazy projection reads from its parts
     for li in range(cfg.num_hidden_layers):
         for proj, _, _, _ in PROJECTIONS:
-            names = [f"model.layers.{li}.{n}.weight" for n in ((proj,) if cfg.fused_projections else groups[proj])]
+            parts_of = (proj,) if cfg.fused_projections else PROJECTION_PARTS[proj]
+            names = [f"model.layers.{li}.{n}.weight" for n in parts_of]
             missing = [n for n in names if n not in src]
             if missing:
                 raise GGUFError(f"{p}: the file holds no tensor for {missing[0]}")
             parts = [src[n] for n in names]
             if any(isinstance(x, _Matrix) for x in parts):
                 lazy[f"model.layers.{li}.{proj}"] = parts
-                for n in names:  # the whole projection runs from the parts: none held twice
-                    src[n] = torch.empty((int(_rows(src[n])), 0), dtype=tdtype)
-    weights = {k: placeholder(v) for k, v in src.items()}
+                by_parts.update(names)
+    # The runner's own copies: empty where a projection reads its parts (none held twice) and for a quantized
+    # embedding or head (read through embed_matrix and the head's function).
+    weights = {k: torch.empty((_rows(v), 0), dtype=tdtype) if isinstance(v, _Matrix) or k in by_parts else v
+               for k, v in src.items()}
     emb = src.get("model.embed_tokens.weight")
     head_src = src.get("lm_head.weight", emb)
     runner = ReferenceRunner(cfg, weights, tdtype)

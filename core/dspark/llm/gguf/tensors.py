@@ -58,9 +58,17 @@ def shapes(reader: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (its ``permute``; transformers' ``_reverse_permute_weights``)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def permuted_heads(arch: str, name: str, heads: int, kv_heads: int) -> int | None:
+    """The head count whose rows llama.cpp's converter interleaved in tensor ``name`` (Hugging Face name), or
+    None: Llama's q and k projections (weights and biases)."""
+    if arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        return None
+    return heads if "q_proj" in name else kv_heads
 
 
 def exact_on_int8_kernels(w: np.ndarray) -> bool:
@@ -112,8 +120,9 @@ def load_tensors(reader: Any, raw: dict[str, Any], path: Path,
         if name is None:
             raise GGUFError(f"{path}: tensor {t.name} is not one dspark reads for the {arch} architecture")
         w = read_tensor(t, path)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            w = _unpermute(w, raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"])
+        heads = permuted_heads(arch, name, raw["num_attention_heads"], raw["num_key_value_heads"])
+        if heads is not None:
+            w = unpermute(w, heads)
         kind = t.tensor_type.name
         exact = kind == "Q8_0" and w.ndim == 2 and exact_on_int8_kernels(w)
         stored[name] = StoredTensor(t.name, kind, exact)

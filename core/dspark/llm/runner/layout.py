@@ -52,6 +52,14 @@ PROJECTIONS: tuple[tuple[str, str, bool, str], ...] = (
     ("mlp.gate_up_proj", "w_gate_up_t", True, "f_gate_up"),
     ("mlp.down_proj", "w_down", False, "f_down"),
 )
+# Each projection's checkpoint tensors (suffixes), in the order they are fused, unless the checkpoint stores
+# the fused one itself (Phi-3).
+PROJECTION_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 # Every tensor a Layer holds (what moves with it to a device, what its weight bytes count).
 LAYER_TENSORS = ("in_norm", "post_norm", "w_qkv_t", "b_qkv", "w_o", "w_gate_up_t", "w_down", "b_o", "q_norm",

@@ -29,7 +29,7 @@ from dspark.llm.runner import packed_linear
 from dspark.llm.runner.attention import StepAttention
 from dspark.llm.runner.families import SLIDING
 from dspark.llm.runner.kv_cache import PagedKVCache
-from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTIONS, Layer, mm
+from dspark.llm.runner.layout import EMBED, HEAD, LAYER_TENSORS, PROJECTION_PARTS, PROJECTIONS, Layer, mm
 from dspark.llm.runner.loader import load_checkpoint, page_releaser, resolve_dtype
 from dspark.llm.runner.rope import Rope, longrope_splits, longrope_switch, run_split
 from dspark.llm.runner.torch_ops import RunnerOps, RunnerWeights, runner_spec
@@ -112,12 +112,11 @@ class ModelRunner:
         p = f"model.layers.{n}."
         a = p + "self_attn."
         # Fused QKV and gate/up: one matmul each instead of three and two (Phi-3 stores them so).
-        if cfg.fused_projections:
-            qkv_t, gate_up_t = _stacked_t([weights[a + "qkv_proj.weight"]]), \
-                _stacked_t([weights[p + "mlp.gate_up_proj.weight"]])
-        else:
-            qkv_t = _stacked_t([weights[a + f"{x}_proj.weight"] for x in "qkv"])
-            gate_up_t = _stacked_t([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+        def fused(proj: str) -> torch.Tensor:
+            parts = (proj,) if cfg.fused_projections else PROJECTION_PARTS[proj]
+            return _stacked_t([weights[f"{p}{x}.weight"] for x in parts])
+
+        qkv_t, gate_up_t = fused("self_attn.qkv_proj"), fused("mlp.gate_up_proj")
         norm = self._gemma_norm if cfg.gemma else (lambda w: w)
         L = Layer(
             in_norm=norm(weights[p + "input_layernorm.weight"]),
