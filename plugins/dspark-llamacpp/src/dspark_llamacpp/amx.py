@@ -3,11 +3,14 @@
 llama.cpp's extra CPU buffer types include an AMX one on CPUs with AMX (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K,
 IQ4_XS weights). Built by GCC, its tile configuration used to reach ``ldtilecfg`` with most of its bytes
 never written (the builtin does not declare the 64 bytes it reads, so the stores were dropped as dead) and
-the first multi-row step crashed the process: scripts/patches/ holds the fix scripts/setup.sh builds
-with. A llama-cpp-python built elsewhere may lack it, and a crash cannot be caught in the process it kills,
-so before the plugin loads a model with the extra buffer types on an AMX CPU, a child process loads a tiny
-Q8_0 model that way and decodes a few rows (the tile path). The verdict is cached per llama.cpp library
-(its files' contents) and CPU; a fault keeps the extra buffer types off, with a warning.
+the first multi-row step crashed the process; and its kernels loaded that configuration once per thread, so
+a step after torch ran a bfloat16 matmul on the same thread (oneDNN's AMX kernels load their own and release
+the tiles) died of SIGILL. scripts/patches/ holds the fixes scripts/setup.sh builds with. A llama-cpp-python
+built elsewhere may lack them, and a crash cannot be caught in the process it kills, so before the plugin
+loads a model with the extra buffer types on an AMX CPU, a child process loads a tiny Q8_0 model that way,
+decodes a few rows (the tile path), runs a torch bfloat16 matmul and decodes them again. The verdict is
+cached per llama.cpp library (its files' contents) and CPU; a fault keeps the extra buffer types off, with a
+warning.
 
 The child's side: :mod:`dspark_llamacpp.amx_child`.
 """
@@ -29,7 +32,7 @@ from dspark.sdk import cache, get_logger, hostinfo
 
 log = get_logger("dspark_llamacpp.amx")
 
-NAMESPACE = "llamacpp-amx"
+NAMESPACE = "llamacpp-amx-v2"  # v2: the probe also runs a step after torch's AMX tiles (a verdict of v1 is not it)
 PROBE_TIMEOUT_S = 180.0
 _lock = threading.Lock()
 _known: dict[str, bool] = {}
@@ -77,7 +80,8 @@ def probe() -> tuple[bool, str]:
         except subprocess.TimeoutExpired:
             return False, f"the probe did not finish in {PROBE_TIMEOUT_S:.0f} s"
     if proc.returncode == 0:
-        return True, "a step of 32 rows on Q8_0 weights in llama.cpp's AMX buffer ran"
+        return True, ("steps of 32 rows on Q8_0 weights in llama.cpp's AMX buffer ran, before and after a torch "
+                      "bfloat16 matmul on the same thread")
     tail = (proc.stderr or "").strip().splitlines()[-1:]
     return False, f"the probe's step was {_how(proc.returncode)}" + (f" ({tail[0]})" if tail else "")
 

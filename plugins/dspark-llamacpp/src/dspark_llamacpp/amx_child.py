@@ -1,5 +1,7 @@
 """The AMX probe's child (:mod:`dspark_llamacpp.amx`): ``python -m dspark_llamacpp.amx_child FILE`` loads FILE
-with llama.cpp's extra CPU buffer types and decodes 32 rows; exit 0: the step ran."""
+with llama.cpp's extra CPU buffer types and decodes 32 rows, then runs a bfloat16 matmul in torch (oneDNN's
+AMX kernels, on the same thread) and decodes the same rows again; exit 0: every step ran and both decodes
+gave the same logits."""
 
 from __future__ import annotations
 
@@ -16,9 +18,26 @@ def main(path: str) -> None:
     n = 32  # more than one row: the tile path (one row takes a VNNI path without tiles)
     want = np.zeros(n, np.int8)
     want[-1] = 1
-    ctx.decode(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), want)
+
+    def rows() -> np.ndarray:
+        ctx.drop(0, 0)
+        return ctx.decode(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32), want)
+
+    first = rows()
+    # Another library's tiles on this thread between two steps (a build that loads its tile configuration once
+    # per thread dies here of SIGILL).
+    import torch
+
+    x = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256).remainder(7).to(torch.bfloat16)
+    before = x @ x
+    again = rows()
+    after = x @ x
     ctx.close()
     model.close()
+    if not np.array_equal(first, again):
+        sys.exit("llama.cpp's logits changed after a torch bfloat16 matmul on the same thread")
+    if not torch.equal(before, after):
+        sys.exit("a torch bfloat16 matmul changed after a llama.cpp step on AMX weights")
 
 
 if __name__ == "__main__":
