@@ -1,6 +1,7 @@
 """Where one engine step's time goes on a decoder target: the runtime's forward against each piece of host work.
 
 Usage: .venv/bin/python benchmarks/step_items.py FILE_OR_CHECKPOINT [--batch 1] [--decoder llamacpp] [--new 128]
+       [--dtype auto]
 
 Runs ``--batch`` requests of 96 prompt tokens and ``--new`` greedy tokens each through ``LLMEngine`` (three
 runs after a warm-up) and prints, per decode step (per token of a sequence: a greedy run of several steps in
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--decoder", default="llamacpp")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     import torch
 
@@ -38,7 +40,8 @@ def main() -> None:
     from dspark.llm.sampling import SamplingParams
 
     b = args.batch
-    e = LLMEngine.from_model(args.model, decoder=args.decoder, max_batch_size=b, max_total_tokens=2048 * max(1, b // 4))
+    e = LLMEngine.from_model(args.model, dtype=args.dtype, decoder=args.decoder, max_batch_size=b,
+                             max_total_tokens=2048 * max(1, b // 4))
     acc: dict[str, float] = {}
 
     def wrap(obj: Any, name: str, label: str | None = None) -> None:

@@ -263,13 +263,14 @@ def _vmhwm_mb(pid: int) -> float | None:
 
 DECODE_RUN_MS: float | None = None  # --decode-run-ms
 BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
+DTYPE = "auto"  # --dtype: dspark serve's model.dtype
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
 def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) -> tuple[subprocess.Popen[bytes], int, str]:
     port = _free_port()
     if kind == "dspark":
-        cfg = {"model": {"path": file, "name": "m"}, "server": {"host": "127.0.0.1", "port": port},
+        cfg = {"model": {"path": file, "name": "m", "dtype": DTYPE}, "server": {"host": "127.0.0.1", "port": port},
                "engine": {"max_total_tokens": 8192, "max_model_len": 1024, "decoder": "auto",
                           "continuous_batching": {"max_batch_size": batch,
                                                   **({} if DECODE_RUN_MS is None else {"decode_run_ms": DECODE_RUN_MS}),
@@ -424,6 +425,7 @@ def main() -> None:
                     help="dspark serve's engine.continuous_batching.max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--decode-run-ms", type=float, default=None,
                     help="dspark serve's engine.continuous_batching.decode_run_ms (default: the engine's; 0 = no greedy runs)")
+    ap.add_argument("--dtype", default="auto", help="dspark serve's model.dtype (default: the engine's choice)")
     ap.add_argument("--child")
     ap.add_argument("--spec")
     args = ap.parse_args()
@@ -438,8 +440,9 @@ def main() -> None:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     from dspark_llamacpp.runtime import extra_bufts
 
-    global REPACK, DECODE_RUN_MS, BATCHED_TOKENS
+    global REPACK, DECODE_RUN_MS, BATCHED_TOKENS, DTYPE
     DECODE_RUN_MS = args.decode_run_ms
+    DTYPE = args.dtype
     BATCHED_TOKENS = args.max_num_batched_tokens
     # llama.cpp alone loads one sequence's model as the plugin would; llama-server repacks (its default) unless
     # the plugin never does here (an AMX build that faults, or DSPARK_LLAMACPP_EXTRA_BUFTS=0): --no-repack then.

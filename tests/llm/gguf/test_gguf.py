@@ -203,6 +203,25 @@ def test_llama3_rope_from_rope_freqs(hf_checkpoint: Callable[[str], Path], tmp_p
     assert torch.allclose(last, ref, atol=1e-4), (last - ref).abs().max()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "no-bf16"])
+def test_auto_computes_a_quantized_file_in_bfloat16_where_the_host_runs_it(
+        gguf_file: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    # A quantized file has no float type of its own: "auto" takes bfloat16 where the CPU (or a GPU) computes it
+    # natively, float32 elsewhere; a float file keeps its own type, and a dtype asked for is the dtype.
+    from dspark.llm.gguf import load_runner
+    from dspark.llm.gguf.reference import reference_runner
+    from dspark.llm.runner import loader
+
+    monkeypatch.setattr(loader, "runs_natively", lambda dtype: native or dtype == torch.float32)
+    want = torch.bfloat16 if native else torch.float32
+    q8 = gguf_file("llama", "Q8_0")
+    assert load_runner(q8, "auto", weightless_if_quantized=True)[0].dtype == want
+    assert load_runner(q8, "auto")[0].dtype == want  # the torch runner holding the file dequantized
+    assert reference_runner(q8, "auto", budget=0).dtype == want  # the probe's judge
+    assert load_runner(q8, "float32")[0].dtype == torch.float32
+    assert load_runner(gguf_file("llama", "F32"), "auto")[0].dtype == torch.float32
+
+
 def test_q8_0_maps_exactly_and_the_others_do_not() -> None:
     """The decision per type, on weights alone: only Q8_0's blocks survive the kernels' re-quantization."""
     from dspark.llm.gguf.tensors import exact_on_int8_kernels

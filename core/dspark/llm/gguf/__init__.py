@@ -72,21 +72,26 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
     rope_freqs = next((read_tensor(t, p) for t in reader.tensors if t.name == ROPE_FREQS), None)
     raw = to_config(md, shapes(reader), p, rope_freqs)
     cfg = parse_config(raw, str(p))
-    tdtype = tensor_dtype(cfg, dtype)
+    kinds = stored_types(reader)
+    tdtype = tensor_dtype(cfg, dtype, quantized=any(s.ggml_type not in FLOAT_TYPES for s in kinds.values()))
     if tensors:
         weights, stored = load_tensors(reader, raw, p, tdtype)
         check_shapes(cfg, weights, p)
     else:
-        weights, stored = {}, stored_types(reader)
+        weights, stored = {}, kinds
     return GGUFModel(path=p, raw_config=raw, cfg=cfg, weights=weights, stored=stored,
                      tokenizer=build_tokenizer(md, p), tokenizer_config=tokenizer_config(md))
 
 
-def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype) -> torch.dtype:
-    """The float type the file's tensors are read as: ``dtype`` ("stored": the file's float type, float32 when
-    anything is quantized)."""
-    from dspark.llm.runner.loader import resolve_dtype
+def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, quantized: bool = False) -> torch.dtype:
+    """The float type the file's tensors are read as and the model computes in: ``dtype`` ("stored": the
+    file's float type, float32 when anything is quantized). ``"auto"`` for a ``quantized`` file, which has no
+    float type of its own: bfloat16 where the host computes it natively (OpenVINO's own default on such CPUs;
+    llama.cpp, and OpenVINO in float32, quantize a projection's activations to 8 bits anyway), else float32."""
+    from dspark.llm.runner.loader import resolve_dtype, runs_natively
 
+    if dtype == "auto" and quantized:
+        return torch.bfloat16 if runs_natively(torch.bfloat16) else torch.float32
     return resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
 
 
@@ -100,7 +105,6 @@ def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
     """The runner for a checkpoint directory or a GGUF file (with what the file holds, for the engine).
     ``weightless_if_quantized``: for a quantized GGUF file, a runner without weights
     (:meth:`ModelRunner.weightless`): a decoder that runs the file as stored may make the torch copy needless."""
-    from dspark.llm.runner.loader import resolve_dtype
     from dspark.llm.runner.model import ModelRunner
 
     if not is_gguf(path):
@@ -108,9 +112,9 @@ def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
     if weightless_if_quantized:
         g = load_gguf(path, dtype, tensors=False)
         if is_quantized(g):
-            return ModelRunner.weightless(g.cfg, resolve_dtype(dtype, g.cfg)), g
+            return ModelRunner.weightless(g.cfg, tensor_dtype(g.cfg, dtype, quantized=True)), g
     g = load_gguf(path, dtype)
-    runner = ModelRunner(g.cfg, g.weights, resolve_dtype(dtype, g.cfg))
+    runner = ModelRunner(g.cfg, g.weights, tensor_dtype(g.cfg, dtype, quantized=is_quantized(g)))
     g.weights = {}  # the runner holds its own (stacked) copies
     g.attach(runner)
     return runner, g
