@@ -3,7 +3,7 @@
 Usage: bash scripts/setup.sh                      (the llamacpp plugin and llama-cpp-python, built natively)
        bash benchmarks/llamacpp_server.sh         (llama-server from the same llama.cpp source; ~10 min, once)
        .venv/bin/python benchmarks/vs_llamacpp.py [--rounds 3] [--quick] [--only single,serve8,serve32,spec]
-                                                  [--models embedded-bf16,...] [--threads 2]
+                                                  [--models embedded-bf16,...] [--threads 2] [--dtype auto]
 
 Files (written once under benchmarks/out/llamacpp/files): the embedded model (core/dspark/assets/models/
 stdlib-llama) as BF16 (the llamacpp plugin's converter), Q8_0 and Q4_K_M (llama.cpp's own quantizer from an
@@ -158,7 +158,8 @@ def child_dspark_single(spec: dict[str, Any]) -> dict[str, Any]:
 
     base = _rss_mb("VmRSS")  # the interpreter and the libraries imported: what loading the model adds comes after
     t0 = time.perf_counter()
-    e = LLMEngine.from_model(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
+    e = LLMEngine.from_model(spec["file"], dtype=spec.get("dtype", "auto"), decoder="auto", max_batch_size=1,
+                             max_total_tokens=1024)
     load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec["new"], temperature=0, ignore_eos=True)
     e.add_request("warm", spec["warm"], params)
@@ -188,7 +189,8 @@ def child_dspark_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
 
     base = _rss_mb("VmRSS")
     t0 = time.perf_counter()
-    e = LLMEngine.from_model(spec["file"], decoder="auto", max_batch_size=1, max_total_tokens=1024)
+    e = LLMEngine.from_model(spec["file"], dtype=spec.get("dtype", "auto"), decoder="auto", max_batch_size=1,
+                             max_total_tokens=1024)
     load = time.perf_counter() - t0
     e.add_request("r", spec["warm"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     while e.has_unfinished():
@@ -263,14 +265,15 @@ def _vmhwm_mb(pid: int) -> float | None:
 
 DECODE_RUN_MS: float | None = None  # --decode-run-ms
 BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
-DTYPE = "auto"  # --dtype: dspark serve's model.dtype
+DTYPE = "auto"  # --dtype: dspark's dtype (serve's model.dtype; the engine's one at a time)
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
 def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) -> tuple[subprocess.Popen[bytes], int, str]:
     port = _free_port()
     if kind == "dspark":
-        cfg = {"model": {"path": file, "name": "m", "dtype": DTYPE}, "server": {"host": "127.0.0.1", "port": port},
+        cfg = {"model": {"path": file, "name": "m", "dtype": DTYPE},
+               "server": {"host": "127.0.0.1", "port": port},
                "engine": {"max_total_tokens": 8192, "max_model_len": 1024, "decoder": "auto",
                           "continuous_batching": {"max_batch_size": batch,
                                                   **({} if DECODE_RUN_MS is None else {"decode_run_ms": DECODE_RUN_MS}),
@@ -425,7 +428,8 @@ def main() -> None:
                     help="dspark serve's engine.continuous_batching.max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--decode-run-ms", type=float, default=None,
                     help="dspark serve's engine.continuous_batching.decode_run_ms (default: the engine's; 0 = no greedy runs)")
-    ap.add_argument("--dtype", default="auto", help="dspark serve's model.dtype (default: the engine's choice)")
+    ap.add_argument("--dtype", default="auto",
+                    help="dspark's dtype (serve's model.dtype; default: the engine's choice)")
     ap.add_argument("--child")
     ap.add_argument("--spec")
     args = ap.parse_args()
@@ -455,7 +459,7 @@ def main() -> None:
         for w in work:
             if w == "checkpoint":  # dspark alone: its memory against the checkpoint's weight bytes
                 for name, ckpt in (("embedded", MODELS / "stdlib-llama"), ("random-0.5b", _random_checkpoint())):
-                    res = run_child("checkpoint", {"file": str(ckpt), "warm": list(range(5, 69)),
+                    res = run_child("checkpoint", {"file": str(ckpt), "warm": list(range(5, 69)), "dtype": DTYPE,
                                                    "threads": args.threads})
                     results.setdefault(f"checkpoint/{name}", {}).setdefault("dspark", []).append(res)
                     print(f"round {r + 1} checkpoint/{name}: " + ", ".join(
@@ -471,7 +475,7 @@ def main() -> None:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     if w == "single":
                         res = run_child(side, {"file": file, "prompts": ps, "warm": warm[0], "new": new,
-                                               "threads": args.threads, "extra_bufts": extra})
+                                               "threads": args.threads, "extra_bufts": extra, "dtype": DTYPE})
                     else:
                         batch = 1 if w == "spec" else int(w.removeprefix("serve"))
                         res = run_server_contender("dspark" if side == "dspark" else "llama", file, ps, new, batch,
