@@ -179,13 +179,21 @@ def test_a_quantized_gguf_holds_its_weights_once_on_llamacpp(ggufs: dict[str, Pa
     assert e.load_seconds > 0
 
 
-def test_a_failing_decoder_on_a_stored_gguf_loads_the_torch_runner_and_loses_no_request(ggufs: dict[str, Path]) -> None:
+def test_a_failing_decoder_on_a_stored_gguf_loads_the_torch_runner_and_loses_no_request(
+        ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dspark.llm.gguf import reference
+
+    made: list[tuple[Any, ...]] = []
+    real = reference.reference_runner
+    monkeypatch.setattr(reference, "reference_runner", lambda *a, **k: made.append(a) or real(*a, **k))
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
     faulty = _Faulty(fail_at=20)  # registered here only: its probe runs in this process (the reference loaded for it)
     host.register(faulty, "faulty")
     host.load()
     e = LLMEngine.from_model(ggufs["q8_0"], decoder="faulty", max_batch_size=8, plugin_host=host)
     assert e.stats().decoder == "faulty@cpu", e.decoder_choice
+    # Probed here against the file dequantized within its budget (as a probe's process does), then let go.
+    assert [a[0] for a in made] == [str(ggufs["q8_0"])]
     assert e.runner.reference.is_weightless
     params = _greedy(20)
     got = _run(e, params)

@@ -128,11 +128,15 @@ def exact(spec: DecoderSpec, precision: str | None) -> bool:
             and precision in (None, "float32"))
 
 
-def _probe_here(t: Target, spec: DecoderSpec, load_reference: Callable[[], ModelRunner]) -> str | None:
-    """The probe of a stored file's decoder whose plugin lives in this process only, the reference loaded here."""
+def _probe_here(t: Target, spec: DecoderSpec) -> str | None:
+    """The probe of a stored file's decoder whose plugin lives in this process only, the reference loaded here
+    as a probe's child loads it: the file dequantized at use, within its memory budget (gguf.reference), and
+    let go after the probe (the torch runner proper loads only for a failover)."""
+    from dspark.llm.gguf.reference import reference_runner
+
     assert t.compiled is not None
     try:
-        return _probe(t.compiled, load_reference(), spec, t.precision)
+        return _probe(t.compiled, reference_runner(spec.path, spec.dtype), spec, t.precision)
     except Exception as exc:
         return f"the probe step raised {type(exc).__name__}: {exc}"
 
@@ -145,7 +149,7 @@ def _admit(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     try:
         if getattr(reference, "is_weightless", False):
             bad = stored.probe_isolated(t, spec, None if load_reference is None else functools.partial(
-                _probe_here, t, spec, load_reference), host)
+                _probe_here, t, spec), host)
         else:
             bad = _probe(t.compiled, reference, spec, t.precision, recorded)
     except Exception as exc:
