@@ -203,17 +203,21 @@ def test_llama3_rope_from_rope_freqs(hf_checkpoint: Callable[[str], Path], tmp_p
     assert torch.allclose(last, ref, atol=1e-4), (last - ref).abs().max()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["bf16-native", "no-bf16"])
-def test_auto_computes_a_quantized_file_in_bfloat16_where_the_host_runs_it(
-        gguf_file: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
-    # A quantized file has no float type of its own: "auto" takes bfloat16 where the CPU (or a GPU) computes it
-    # natively, float32 elsewhere; a float file keeps its own type, and a dtype asked for is the dtype.
+@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
+                                             ({"avx512f", "avx512_bf16", "avx512_vnni"}, torch.float32),
+                                             ({"avx2"}, torch.float32)], ids=["amx", "avx512-bf16", "avx2"])
+def test_auto_computes_a_quantized_file_in_bfloat16_on_amx(
+        gguf_file: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, flags: set[str],
+        want: torch.dtype) -> None:
+    # A quantized file has no float type of its own: "auto" takes bfloat16 where OpenVINO runs its compressed
+    # weights on AMX's bfloat16 tiles, float32 elsewhere; a float file keeps its own type, and a dtype asked
+    # for is the dtype.
     from dspark.llm.gguf import load_runner
     from dspark.llm.gguf.reference import reference_runner
     from dspark.llm.runner import loader
 
-    monkeypatch.setattr(loader, "runs_natively", lambda dtype: native or dtype == torch.float32)
-    want = torch.bfloat16 if native else torch.float32
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     q8 = gguf_file("llama", "Q8_0")
     assert load_runner(q8, "auto", weightless_if_quantized=True)[0].dtype == want
     assert load_runner(q8, "auto")[0].dtype == want  # the torch runner holding the file dequantized

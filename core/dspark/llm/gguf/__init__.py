@@ -86,12 +86,14 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
 def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, quantized: bool = False) -> torch.dtype:
     """The float type the file's tensors are read as and the model computes in: ``dtype`` ("stored": the
     file's float type, float32 when anything is quantized). ``"auto"`` for a ``quantized`` file, which has no
-    float type of its own: bfloat16 where the host computes it natively (OpenVINO's own default on such CPUs;
-    llama.cpp, and OpenVINO in float32, quantize a projection's activations to 8 bits anyway), else float32."""
-    from dspark.llm.runner.loader import resolve_dtype, runs_natively
+    float type of its own: bfloat16 on a GPU or on a CPU with AMX's bfloat16 tiles, where OpenVINO runs the
+    file's compressed weights on them (llama.cpp, and OpenVINO in float32, quantize a projection's
+    activations to 8 bits anyway), else float32 (without AMX, OpenVINO's float32 path runs them on int8
+    VNNI kernels, which bfloat16 was not measured against)."""
+    from dspark.llm.runner.loader import cpu_flags, resolve_dtype
 
     if dtype == "auto" and quantized:
-        return torch.bfloat16 if runs_natively(torch.bfloat16) else torch.float32
+        return torch.bfloat16 if torch.cuda.is_available() or "amx_bf16" in cpu_flags() else torch.float32
     return resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
 
 

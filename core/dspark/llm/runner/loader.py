@@ -65,7 +65,8 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 _NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo), empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -80,7 +81,7 @@ def runs_natively(dtype: torch.dtype) -> bool:
     """Whether this host computes ``dtype`` at full speed: float32 always; half precision on a GPU or on a CPU
     with its matmul instructions."""
     flags = _NATIVE_CPU_FLAGS.get(dtype)
-    return not flags or torch.cuda.is_available() or bool(_cpu_flags() & set(flags))
+    return not flags or torch.cuda.is_available() or bool(cpu_flags() & set(flags))
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig | None = None) -> torch.dtype:
