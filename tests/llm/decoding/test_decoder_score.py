@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.llm.decoding.timing import (NOMINAL_OUTPUT, NOMINAL_PROMPT, TIE, first_of_tied, request_ms, score, scores,
-                                       shapes)
+from dspark.llm.decoding.timing import NOMINAL_OUTPUT, NOMINAL_PROMPT, request_ms, score, scores, shapes
 
 SHAPES = shapes(1, 128)  # decode_b1, prefill_128, verify_k8
 TORCH = {"decode_b1": 5.0, "prefill_128": 25.0, "verify_k8": 8.0}
@@ -78,20 +77,3 @@ def test_targets_timed_alone_are_scored_against_the_fastest() -> None:
     got, ref = scores({"a": slow, "b": fast}, [], shapes(1, 128))
     assert ref is None and got["b"] == 1.0 < got["a"]
     assert scores({}, [], SHAPES) == ({}, None)
-
-
-def test_of_targets_that_tie_the_faster_prefill_runs() -> None:
-    # The engine's start-up timings of the embedded Q8_0 file for an engine of 8 (ms per step): llama.cpp and
-    # OpenVINO score within 0.2% of each other, and OpenVINO prefills 2.6x faster (the earlier first token).
-    llama = {"decode_b1": 0.5238, "decode_b8": 1.6539, "prefill_128": 9.5862, "verify_k8": 1.5633}
-    ov = {"decode_b1": 0.8937, "decode_b8": 1.6973, "prefill_128": 3.7307, "verify_k8": 1.6655}
-    got, _ = scores({"llamacpp": llama, "cpu": ov}, [], shapes(8, 128))
-    assert got["llamacpp"] < got["cpu"] <= got["llamacpp"] * (1 + TIE)  # a tie, llama.cpp ahead by score
-    assert first_of_tied([(got["llamacpp"], llama), (got["cpu"], ov)]) == 1
-    # beyond the tie the better score runs, however fast the other prefills
-    assert first_of_tied([(1.0, llama), (1.0 + 2 * TIE, ov)]) == 0
-    assert first_of_tied([(1.0 + 2 * TIE, ov), (1.0, llama)]) == 1
-    # nothing timed for prefill (a target timed on decode shapes only): the score decides among the tied
-    assert first_of_tied([(1.01, {"decode_b1": 1.0}), (1.0, {"decode_b1": 1.0})]) == 1
-    with pytest.raises(ValueError):
-        first_of_tied([])

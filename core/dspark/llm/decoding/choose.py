@@ -32,7 +32,7 @@ from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import CONTEXT, TIE, Bench, first_of_tied, scores, shapes, time_targets
+from dspark.llm.decoding.timing import CONTEXT, Bench, scores, shapes, time_targets
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -229,7 +229,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     slower: list[Target] = []  # measured slower than the torch runner: neither run nor are failover targets
     if weightless and cfg.decoder == "auto" and len(targets) > 1:  # several run it as stored: the fastest
         timed = _time(targets, ref, runner, runner, spec, cfg, host, declined, load_reference=load_reference)
-        targets = _ranked(timed)
+        targets = sorted(timed, key=lambda t: t.score)
         why = "runs the quantized GGUF file as stored, measured fastest of those that do ({}; the torch " \
               "runner, which would hold it dequantized, is the fallback, loaded from the file if it must run)"
     elif weightless:  # the torch runner would hold the file dequantized: fallback only
@@ -237,7 +237,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
               "is the fallback, loaded from the file if it must run)"
     elif cfg.decoder == "auto":
         timed = _time(targets, ref, runner, reference, spec, cfg, host, declined, prepare_reference)
-        targets = _ranked([t for t in timed if t.score < ref.score])
+        targets = sorted([t for t in timed if t.score < ref.score], key=lambda t: t.score)
         slower = [t for t in timed if t.score >= ref.score]
         why = "measured fastest ({})"
     else:  # asked for by name: no race, the torch runner only as the fallback
@@ -272,7 +272,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
                                time.perf_counter() - t0)
         _log(choice)
         return runner, choice
-    ranked = [*targets, *sorted([*slower, ref], key=lambda t: t.score)] if cfg.decoder == "auto" and not weightless \
+    ranked = sorted([*targets, *slower, ref], key=lambda t: t.score) if cfg.decoder == "auto" and not weightless \
         else [*targets, ref]
     rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
              **({"note": t.note} if t.note else {})} for t in ranked]
@@ -344,23 +344,11 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     return t.admitted
 
 
-def _ranked(timed: list[Target]) -> list[Target]:
-    """Best first by score, the first of a tie by its prefill (:func:`timing.first_of_tied`); the rest, the
-    failover order, by score."""
-    if not timed:
-        return []
-    rest = sorted(timed, key=lambda t: t.score)
-    first = rest.pop(first_of_tied([(t.score, t.step_ms) for t in rest]))
-    return [first, *rest]
-
-
 def _beat(first: Target, ranked: list[Target]) -> str:
     if not first.step_ms:
         return "then " + ", ".join(t.label for t in ranked if t is not first)
     others = [f"{t.label} x{t.score / first.score:.2f}" for t in ranked if t is not first and t.step_ms]
-    tied = [t.label for t in ranked if t is not first and t.step_ms and t.score < first.score]
-    why = f"; tied with {', '.join(tied)} within {TIE:.0%}, the faster prefill" if tied else ""
-    return ("beat " + ", ".join(others) if others else "alone") + why
+    return "beat " + ", ".join(others) if others else "alone"
 
 
 def _key(t: Target, spec: DecoderSpec, shape_names: list[str], host: PluginHost) -> dict[str, Any]:

@@ -161,22 +161,3 @@ def scores(step_ms: dict[str, dict[str, float]], reference_ms: list[dict[str, fl
         return {}, None
     best = min(step_ms.values(), key=lambda ms: request_ms(ms, shape_list, speculative))
     return {k: score(ms, best, shape_list, speculative) for k, ms in step_ms.items()}, None
-
-
-TIE = 0.02  # scores this close rank as one: within the spread of the engine's own timings between starts
-
-
-def first_of_tied(scored: list[tuple[float, dict[str, float]]]) -> int:
-    """Which of the targets (score, step times) runs: the best score, except that of those within :data:`TIE`
-    of it the one with the fastest prefill (the earlier first token) does; on equal decode a user waits
-    less for it."""
-    if not scored:
-        raise ValueError("no target to rank")
-    best = min(sc for sc, _ in scored)
-    tied = [i for i, (sc, _) in enumerate(scored) if sc <= best * (1 + TIE)]
-
-    def prefill(i: int) -> float:
-        ms = scored[i][1]
-        return sum(v for k, v in ms.items() if k.startswith("prefill_")) or float("inf")
-
-    return min(tied, key=lambda i: (prefill(i), scored[i][0]))
