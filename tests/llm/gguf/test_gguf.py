@@ -203,26 +203,31 @@ def test_llama3_rope_from_rope_freqs(hf_checkpoint: Callable[[str], Path], tmp_p
     assert torch.allclose(last, ref, atol=1e-4), (last - ref).abs().max()
 
 
-@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
-                                             ({"avx512f", "avx512_bf16", "avx512_vnni"}, torch.float32),
-                                             ({"avx2"}, torch.float32)], ids=["amx", "avx512-bf16", "avx2"])
-def test_auto_computes_a_quantized_file_in_bfloat16_on_amx(
-        gguf_file: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, flags: set[str],
+AMX = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize(("flags", "kind", "want"), [(AMX, "Q4_K", torch.bfloat16), (AMX, "MIXED", torch.bfloat16),
+                                                     (AMX, "Q8_0", torch.float32), (AMX, "Q6_K", torch.float32),
+                                                     ({"avx512f", "avx512_bf16"}, "Q4_K", torch.float32),
+                                                     ({"avx2"}, "Q4_K", torch.float32)],
+                         ids=["amx-q4_k", "amx-mixed", "amx-q8_0", "amx-q6_k", "avx512-bf16", "avx2"])
+def test_auto_computes_a_file_of_4_bit_blocks_in_bfloat16_on_amx(
+        gguf_file: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch, flags: set[str], kind: str,
         want: torch.dtype) -> None:
-    # A quantized file has no float type of its own: "auto" takes bfloat16 where OpenVINO runs its compressed
-    # weights on AMX's bfloat16 tiles, float32 elsewhere; a float file keeps its own type, and a dtype asked
-    # for is the dtype.
+    # A quantized file has no float type of its own: "auto" takes bfloat16 where OpenVINO runs 4-bit blocks on
+    # AMX's bfloat16 tiles (its 8-bit ones step faster in float32), float32 elsewhere; a float file keeps its
+    # own type, and a dtype asked for is the dtype. (MIXED: Q8_0 and Q6_K beside Q4_K tensors.)
     from dspark.llm.gguf import load_runner
     from dspark.llm.gguf.reference import reference_runner
     from dspark.llm.runner import loader
 
     monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    q8 = gguf_file("llama", "Q8_0")
-    assert load_runner(q8, "auto", weightless_if_quantized=True)[0].dtype == want
-    assert load_runner(q8, "auto")[0].dtype == want  # the torch runner holding the file dequantized
-    assert reference_runner(q8, "auto", budget=0).dtype == want  # the probe's judge
-    assert load_runner(q8, "float32")[0].dtype == torch.float32
+    q = gguf_file("qwen2" if kind == "MIXED" else "llama", kind)
+    assert load_runner(q, "auto", weightless_if_quantized=True)[0].dtype == want
+    assert load_runner(q, "auto")[0].dtype == want  # the torch runner holding the file dequantized
+    assert reference_runner(q, "auto", budget=0).dtype == want  # the probe's judge
+    assert load_runner(q, "float32")[0].dtype == torch.float32
     assert load_runner(gguf_file("llama", "F32"), "auto")[0].dtype == torch.float32
 
 

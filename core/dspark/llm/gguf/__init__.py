@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from dspark.llm.runner.model import ModelRunner
     from dspark.llm.runner.quant_plan import QuantPlan
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "is_gguf", "is_quantized", "load_gguf",
-           "load_runner", "read_tokenizer_config", "tensor_dtype", "write_checkpoint"]
+__all__ = ["BF16_BLOCKS", "SUPPORTED_ARCHITECTURES", "GGUFError", "GGUFModel", "TypeDecision", "block_types", "is_gguf",
+           "is_quantized", "load_gguf", "load_runner", "read_tokenizer_config", "tensor_dtype", "write_checkpoint"]
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SOURCE_FILE = "dspark_gguf_source.json"  # what write_checkpoint records about the file it came from
 
@@ -73,7 +73,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
     raw = to_config(md, shapes(reader), p, rope_freqs)
     cfg = parse_config(raw, str(p))
     kinds = stored_types(reader)
-    tdtype = tensor_dtype(cfg, dtype, quantized=any(s.ggml_type not in FLOAT_TYPES for s in kinds.values()))
+    tdtype = tensor_dtype(cfg, dtype, blocks=frozenset(s.ggml_type for s in kinds.values()))
     if tensors:
         weights, stored = load_tensors(reader, raw, p, tdtype)
         check_shapes(cfg, weights, p)
@@ -83,18 +83,29 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
                      tokenizer=build_tokenizer(md, p), tokenizer_config=tokenizer_config(md))
 
 
-def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, quantized: bool = False) -> torch.dtype:
+# Block types OpenVINO holds as 4-bit weights. On AMX it steps them in bfloat16 as fast as in float32 and
+# prefills about twice as fast; 8-bit ones (Q8_0, Q5_0, Q6_K) it steps faster in float32, on its int8 kernels.
+BF16_BLOCKS = frozenset({"Q4_0", "Q4_K"})
+
+
+def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, blocks: frozenset[str] = frozenset()) -> torch.dtype:
     """The float type the file's tensors are read as and the model computes in: ``dtype`` ("stored": the
-    file's float type, float32 when anything is quantized). ``"auto"`` for a ``quantized`` file, which has no
-    float type of its own: bfloat16 on a GPU or on a CPU with AMX's bfloat16 tiles, where OpenVINO runs the
-    file's compressed weights on them (llama.cpp, and OpenVINO in float32, quantize a projection's
-    activations to 8 bits anyway), else float32 (without AMX, OpenVINO's float32 path runs them on int8
-    VNNI kernels, which bfloat16 was not measured against)."""
+    file's float type, float32 when anything is quantized). ``"auto"`` for a quantized file (``blocks``: its
+    tensors' storage types), which has no float type of its own: bfloat16 on a GPU, and on a CPU with AMX's
+    bfloat16 tiles where the file holds 4-bit blocks (:data:`BF16_BLOCKS`; docs/model-sources.md), else
+    float32. llama.cpp computes in float32 whatever the engine's dtype."""
     from dspark.llm.runner.loader import cpu_flags, resolve_dtype
 
-    if dtype == "auto" and quantized:
-        return torch.bfloat16 if torch.cuda.is_available() or "amx_bf16" in cpu_flags() else torch.float32
+    if dtype == "auto" and blocks - set(FLOAT_TYPES):
+        if torch.cuda.is_available() or ("amx_bf16" in cpu_flags() and blocks & BF16_BLOCKS):
+            return torch.bfloat16
+        return torch.float32
     return resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
+
+
+def block_types(g: GGUFModel) -> frozenset[str]:
+    """The storage types of the file's tensors (F32, Q4_K, ...)."""
+    return frozenset(s.ggml_type for s in g.stored.values())
 
 
 def is_quantized(g: GGUFModel) -> bool:
@@ -114,9 +125,9 @@ def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
     if weightless_if_quantized:
         g = load_gguf(path, dtype, tensors=False)
         if is_quantized(g):
-            return ModelRunner.weightless(g.cfg, tensor_dtype(g.cfg, dtype, quantized=True)), g
+            return ModelRunner.weightless(g.cfg, tensor_dtype(g.cfg, dtype, blocks=block_types(g))), g
     g = load_gguf(path, dtype)
-    runner = ModelRunner(g.cfg, g.weights, tensor_dtype(g.cfg, dtype, quantized=is_quantized(g)))
+    runner = ModelRunner(g.cfg, g.weights, tensor_dtype(g.cfg, dtype, blocks=block_types(g)))
     g.weights = {}  # the runner holds its own (stacked) copies
     g.attach(runner)
     return runner, g

@@ -142,7 +142,7 @@ class ReferenceRunner(ModelRunner):
 def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget: int | None = None) -> ReferenceRunner:
     """The file's torch runner with its quantized matrices dequantized at use, keeping at most ``budget`` bytes
     of them (None: :func:`default_budget`). Float tensors (norms, biases, F32/F16/BF16 matrices) load as stored."""
-    from dspark.llm.gguf import GGUFError, is_quantized, load_gguf, tensor_dtype
+    from dspark.llm.gguf import GGUFError, block_types, load_gguf, tensor_dtype
     from dspark.llm.gguf.metadata import open_reader
     from dspark.llm.gguf.tensors import ROPE_FREQS, hf_name, permuted_heads, read_tensor, unpermute
     from dspark.llm.runner.layout import HEAD, PROJECTION_PARTS, PROJECTIONS
@@ -150,7 +150,7 @@ def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget
     p = Path(path)
     g = load_gguf(p, dtype, tensors=False)
     cfg = g.cfg
-    tdtype = tensor_dtype(cfg, dtype, quantized=is_quantized(g))
+    tdtype = tensor_dtype(cfg, dtype, blocks=block_types(g))
     bud = _Budget(default_budget() if budget is None else max(0, budget))
     arch = g.raw_config["model_type"]
     src: dict[str, Part] = {}
