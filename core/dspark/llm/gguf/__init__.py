@@ -110,7 +110,7 @@ def block_types(g: GGUFModel) -> frozenset[str]:
 
 def is_quantized(g: GGUFModel) -> bool:
     """The file stores some tensor in a block-quantized type (Q4_K, Q8_0, ...)."""
-    return any(s.ggml_type not in FLOAT_TYPES for s in g.stored.values())
+    return bool(block_types(g) - set(FLOAT_TYPES))
 
 
 def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
