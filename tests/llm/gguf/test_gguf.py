@@ -219,9 +219,10 @@ def test_auto_computes_a_file_of_4_bit_blocks_in_bfloat16_on_amx(
     # own type, and a dtype asked for is the dtype. (MIXED: Q8_0 and Q6_K beside Q4_K tensors.)
     from dspark.llm.gguf import load_runner
     from dspark.llm.gguf.reference import reference_runner
-    from dspark.llm.runner import loader
+    from dspark.host import hostinfo
 
-    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    facts = {**hostinfo.cpu_static(), "isa_features": sorted(flags)}
+    monkeypatch.setattr(hostinfo, "cpu_static", lambda: facts)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     q = gguf_file("qwen2" if kind == "MIXED" else "llama", kind)
     assert load_runner(q, "auto", weightless_if_quantized=True)[0].dtype == want

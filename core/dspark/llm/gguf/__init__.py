@@ -73,7 +73,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", *, tensors: b
     raw = to_config(md, shapes(reader), p, rope_freqs)
     cfg = parse_config(raw, str(p))
     kinds = stored_types(reader)
-    tdtype = tensor_dtype(cfg, dtype, blocks=frozenset(s.ggml_type for s in kinds.values()))
+    tdtype = tensor_dtype(cfg, dtype, blocks=block_types(kinds))
     if tensors:
         weights, stored = load_tensors(reader, raw, p, tdtype)
         check_shapes(cfg, weights, p)
@@ -94,23 +94,25 @@ def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, blocks: frozense
     tensors' storage types), which has no float type of its own: bfloat16 on a GPU, and on a CPU with AMX's
     bfloat16 tiles where the file holds 4-bit blocks (:data:`BF16_BLOCKS`; docs/model-sources.md), else
     float32. llama.cpp computes in float32 whatever the engine's dtype."""
-    from dspark.llm.runner.loader import cpu_flags, resolve_dtype
+    from dspark.host import hostinfo
+    from dspark.llm.runner.loader import resolve_dtype
 
     if dtype == "auto" and blocks - set(FLOAT_TYPES):
-        if torch.cuda.is_available() or ("amx_bf16" in cpu_flags() and blocks & BF16_BLOCKS):
+        amx = "amx_bf16" in hostinfo.cpu_static()["isa_features"]
+        if torch.cuda.is_available() or (amx and blocks & BF16_BLOCKS):
             return torch.bfloat16
         return torch.float32
     return resolve_dtype(cfg.torch_dtype or "float32" if dtype == "stored" else dtype, cfg)
 
 
-def block_types(g: GGUFModel) -> frozenset[str]:
-    """The storage types of the file's tensors (F32, Q4_K, ...)."""
-    return frozenset(s.ggml_type for s in g.stored.values())
+def block_types(stored: dict[str, Any]) -> frozenset[str]:
+    """The storage types of a file's tensors (F32, Q4_K, ...): ``GGUFModel.stored``."""
+    return frozenset(s.ggml_type for s in stored.values())
 
 
 def is_quantized(g: GGUFModel) -> bool:
     """The file stores some tensor in a block-quantized type (Q4_K, Q8_0, ...)."""
-    return bool(block_types(g) - set(FLOAT_TYPES))
+    return bool(block_types(g.stored) - set(FLOAT_TYPES))
 
 
 def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
@@ -125,9 +127,9 @@ def load_runner(path: str | Path, dtype: str | torch.dtype = "auto", *,
     if weightless_if_quantized:
         g = load_gguf(path, dtype, tensors=False)
         if is_quantized(g):
-            return ModelRunner.weightless(g.cfg, tensor_dtype(g.cfg, dtype, blocks=block_types(g))), g
+            return ModelRunner.weightless(g.cfg, tensor_dtype(g.cfg, dtype, blocks=block_types(g.stored))), g
     g = load_gguf(path, dtype)
-    runner = ModelRunner(g.cfg, g.weights, tensor_dtype(g.cfg, dtype, blocks=block_types(g)))
+    runner = ModelRunner(g.cfg, g.weights, tensor_dtype(g.cfg, dtype, blocks=block_types(g.stored)))
     g.weights = {}  # the runner holds its own (stacked) copies
     g.attach(runner)
     return runner, g

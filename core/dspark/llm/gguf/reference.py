@@ -150,7 +150,7 @@ def reference_runner(path: str | Path, dtype: str | torch.dtype = "auto", budget
     p = Path(path)
     g = load_gguf(p, dtype, tensors=False)
     cfg = g.cfg
-    tdtype = tensor_dtype(cfg, dtype, blocks=block_types(g))
+    tdtype = tensor_dtype(cfg, dtype, blocks=block_types(g.stored))
     bud = _Budget(default_budget() if budget is None else max(0, budget))
     arch = g.raw_config["model_type"]
     src: dict[str, Part] = {}

@@ -65,8 +65,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 _NATIVE_CPU_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's flags (/proc/cpuinfo), empty where they cannot be read."""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -77,20 +76,16 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def runs_natively(dtype: torch.dtype) -> bool:
-    """Whether this host computes ``dtype`` at full speed: float32 always; half precision on a GPU or on a CPU
-    with its matmul instructions."""
-    flags = _NATIVE_CPU_FLAGS.get(dtype)
-    return not flags or torch.cuda.is_available() or bool(cpu_flags() & set(flags))
-
-
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig | None = None) -> torch.dtype:
     """``auto`` = as stored, except half precision on a GPU-less host whose CPU lacks it natively: float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         stored = _DTYPES.get(cfg.torch_dtype or "float32", torch.float32) if cfg else torch.float32
-        return stored if runs_natively(stored) else torch.float32
+        flags = _NATIVE_CPU_FLAGS.get(stored)
+        if flags and not torch.cuda.is_available() and not _cpu_flags() & set(flags):
+            return torch.float32
+        return stored
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(sorted(_DTYPES))} or 'auto'")
     return _DTYPES[dtype]

@@ -162,7 +162,7 @@ class LlamaDecoder:
         self.n_batch = max(64, min(spec.max_num_tokens, 4096))
         self.vocab = spec.vocab_size
         self.max_len = spec.max_position_embeddings
-        self.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32 K and V
+        self.kv_bytes_per_token = _kv_bytes_per_token(spec)
         self._running: Any = None  # the context a step is decoding in (what cancel() stops)
         self._cancel_lock = threading.Lock()
         if model.n_vocab < spec.vocab_size:
