@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,55 @@ def test_async_many_concurrent_requests(make_llm: Callable[..., Any]) -> None:
         eng.shutdown()
     assert [g[0] for g in got] == ref
     assert all(g[1] == "length" and g[2] == 10 for g in got)  # one streamed output per token
+
+
+def test_async_arrivals_during_a_step_do_not_wait_for_it(make_llm: Callable[..., Any]) -> None:
+    """A request that arrives while the engine thread is inside a step reaches the inbox at once (the event loop
+    never waits on a step), and the requests that arrived during one step are all admitted by the next."""
+    llm = make_llm()
+    step = llm.engine.step
+    entered, release = threading.Event(), threading.Event()
+    waiting_at_step: list[int] = []
+
+    held_past_deadline: list[bool] = []
+
+    def held_step(*a: Any, **k: Any) -> Any:
+        waiting_at_step.append(len(llm.engine.scheduler.waiting))
+        entered.set()
+        # The first step is held until the test has sent the others; an event loop that waited on the step
+        # could not send them, and the step goes on alone after the deadline.
+        held_past_deadline.append(not release.wait(10))
+        return step(*a, **k)
+
+    llm.engine.step = held_step
+    eng = AsyncLLMEngine(llm.engine)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def drain(i: int) -> int:
+        n = 0
+        async for out in eng.generate([5 + i, 6, 7], params, request_id=f"a{i}"):
+            n = len(out.token_ids)
+        return n
+
+    async def main() -> tuple[list[int], bool]:
+        first = asyncio.create_task(drain(0))
+        assert await asyncio.to_thread(entered.wait, 30), "the engine never stepped"
+        others = [asyncio.create_task(drain(i)) for i in range(1, 4)]
+        deadline = time.monotonic() + 30
+        while eng._inbox.qsize() < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        queued_while_held = eng._inbox.qsize() == 3 and not release.is_set()
+        release.set()
+        return await asyncio.gather(first, *others), queued_while_held
+
+    try:
+        lengths, queued_while_held = asyncio.run(main())
+    finally:
+        release.set()
+        eng.shutdown()
+    assert queued_while_held and not any(held_past_deadline)
+    assert lengths == [4, 4, 4, 4]
+    assert waiting_at_step[0] == 1 and waiting_at_step[1] == 3  # the three were admitted together
 
 
 def test_async_abort_returns_pages(make_llm: Callable[..., Any]) -> None:

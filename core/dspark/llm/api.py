@@ -192,7 +192,12 @@ class AsyncLLMEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self._lock = threading.Lock()  # guards _streams and engine reads from other threads
+        # Two locks: the engine's, held through each step (a run of greedy steps lasts milliseconds), and the
+        # stream table's, held for a dict operation. The event loop takes only the second when a request
+        # arrives or ends, so it never waits on a step: a burst of arrivals reaches the inbox at once and is
+        # admitted in one step, not one step each.
+        self._lock = threading.Lock()  # engine reads and steps
+        self._streams_lock = threading.Lock()  # _streams
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -241,7 +246,7 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def _deliver(self, rid: str, item: Any) -> None:
-        with self._lock:
+        with self._streams_lock:
             target = self._streams.get(rid)
         if target is not None:
             loop, q = target
@@ -278,8 +283,9 @@ class AsyncLLMEngine:
             except BaseException as e:  # a step fault fails every open stream, not just silently the thread
                 self._error = e
                 with self._lock:
-                    rids = list(self._streams)
                     eng.abort_all()
+                with self._streams_lock:
+                    rids = list(self._streams)
                 for rid in rids:
                     self._deliver(rid, e)
                 continue
@@ -289,7 +295,7 @@ class AsyncLLMEngine:
         """A step's outputs, handed to each caller's event loop in one callback (one wake-up of the loop
         per step, not one per request: each is a write to the loop's self-pipe)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
-        with self._lock:
+        with self._streams_lock:
             for out in outs:
                 target = self._streams.get(out.request_id)
                 if target is not None:
@@ -305,7 +311,7 @@ class AsyncLLMEngine:
         rid = request_id or f"async-{next(self._ids)}"
         seq = self.engine.make_sequence(rid, prompt, params, priority)  # raises here, in the caller
         q: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
+        with self._streams_lock:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
@@ -321,7 +327,7 @@ class AsyncLLMEngine:
                 finished = item.finished
                 yield item
         finally:
-            with self._lock:
+            with self._streams_lock:
                 self._streams.pop(rid, None)
             if not finished:  # consumer went away or was cancelled: free its pages
                 self._inbox.put(("abort", rid))
