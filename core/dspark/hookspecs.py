@@ -1,8 +1,8 @@
-"""The dspark plugin contract (API version 1.14).
+"""The dspark plugin contract (API version 1.15).
 
 A plugin is a module or object whose functions carry the ``@dspark.hookimpl``
 marker and whose names are the hooks below. It declares the API version it
-was written against as ``DSPARK_API_VERSION = "1.14"``; the core accepts the
+was written against as ``DSPARK_API_VERSION = "1.15"``; the core accepts the
 same major version with a minor version not newer than its own (a "1.0"
 plugin keeps working).
 
@@ -32,7 +32,9 @@ steps in one call, the engine's own work paid once per run instead of once per t
 API 1.14 hands a decoder that runs a quantized GGUF file as stored (feature ``gguf_stored``) the
 file's tensors in their own types (``DecoderSpec.blocks()``, :mod:`dspark.types.blocks`): blocks
 unpacked to integers, scales and zero points, so a runtime with grouped integer kernels holds them
-without a float copy.
+without a float copy. API 1.15 lets a decoder that runs greedy runs offer ``end_run()``: called from
+any thread when a request arrives, it ends the run in progress after its step in flight, so an
+arrival waits for one step rather than a whole run.
 
 How the core calls hooks. Unlike plain pluggy, the core calls each plugin's
 implementation on its own, in a worker thread with a timeout, so that one
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     )
 
 PROJECT = "dspark"
-API_VERSION = "1.14"
+API_VERSION = "1.15"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

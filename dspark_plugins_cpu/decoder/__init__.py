@@ -135,6 +135,8 @@ class OpenVINODecoder:
         self._running: Any = None  # the request a step is running on (what cancel() stops)
         self._cancelled = False
         self._cancel_lock = threading.Lock()
+        self._in_run = False  # a greedy run is stepping (what end_run() ends)
+        self._end = False
         self._bound: dict[int, Any] = {}  # id of a request -> the KV set it has bound
         self._held: dict[tuple[int, str], np.ndarray] = {}  # (id of a request, input) -> the array it reads
         self._names: dict[int, set[str]] = {}  # id of a request -> its input names (gathered attention)
@@ -229,16 +231,29 @@ class OpenVINODecoder:
         stops = np.fromiter(stop_ids, np.int64, len(stop_ids))
         bs, vocab = self.block_size, self.spec.vocab_size
         first_block = batch.block_indices_begins[:-1]
-        for s in range(steps):
-            nxt = self.step(kv, batch)[:, :vocab].argmax(1)
-            out[:, s] = nxt
-            if s + 1 == steps or (len(stops) and bool(np.isin(nxt, stops).any())):
-                break
-            pos = batch.positions + 1
-            slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
-            batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1, slot_mapping=slots,
-                            max_context_len=batch.max_context_len + 1)
+        with self._cancel_lock:  # an end_run() from here on reaches this run
+            self._in_run, self._end = True, False
+        try:
+            for s in range(steps):
+                nxt = self.step(kv, batch)[:, :vocab].argmax(1)
+                out[:, s] = nxt
+                if s + 1 == steps or self._end or (len(stops) and bool(np.isin(nxt, stops).any())):
+                    break
+                pos = batch.positions + 1
+                slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
+                batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1,
+                                slot_mapping=slots, max_context_len=batch.max_context_len + 1)
+        finally:
+            with self._cancel_lock:
+                self._in_run = False
         return out
+
+    def end_run(self) -> None:
+        """End the greedy run in progress after its step in flight (API 1.15: a request arrived); nothing when
+        none runs."""
+        with self._cancel_lock:
+            if self._in_run:
+                self._end = True
 
     def _feed(self, req: Any, name: str, value: np.ndarray) -> None:
         """``value`` into input ``name`` of ``req``. Each input is bound once to an array of this decoder's that

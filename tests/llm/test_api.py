@@ -140,6 +140,9 @@ def test_async_arrivals_during_a_step_do_not_wait_for_it(make_llm: Callable[...,
         return step(*a, **k)
 
     llm.engine.step = held_step
+    ended: list[int] = []
+    end_run = llm.engine.end_run
+    llm.engine.end_run = lambda: (ended.append(1), end_run())  # each arrival ends a greedy run in progress
     eng = AsyncLLMEngine(llm.engine)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -166,7 +169,7 @@ def test_async_arrivals_during_a_step_do_not_wait_for_it(make_llm: Callable[...,
         release.set()
         eng.shutdown()
     assert queued_while_held and not any(held_past_deadline)
-    assert lengths == [4, 4, 4, 4]
+    assert lengths == [4, 4, 4, 4] and len(ended) == 4
     assert waiting_at_step[0] == 1 and waiting_at_step[1] == 3  # the three were admitted together
 
 

@@ -318,6 +318,7 @@ class AsyncLLMEngine:
         self._start()
         self._inbox.put(("add", seq))
         self._wake.set()
+        self.engine.end_run()  # a greedy run in progress ends after its step in flight: this one is admitted next
         finished = False
         try:
             while not finished:

@@ -177,6 +177,10 @@ class SpeculativeConfig(BaseModel):
     drafter_timeout_s: float = Field(
         2.0, gt=0, description="a third-party drafter's call (propose, commit, release) that takes longer is "
         "abandoned and the drafter disabled, decoding going on without it; built-in drafters run inline")
+    stretch_ms: float = Field(
+        8.0, ge=0, description="DeepSpec's stretches (a lone greedy request's copy runs, the greedy runs between its "
+        "proposals) last at most about this long, and at most decode_run_ms: each is chosen on the text before it "
+        "and runs to its end once chosen")
 
     @model_validator(mode="before")
     @classmethod
@@ -219,13 +223,14 @@ class EngineConfig(BaseModel):
         "(larger number), lowest and newest first, when no batch slot or pages are left for it")
     target_step_ms: float | None = Field(None, gt=0, description="adaptive batch size target; None keeps max_batch_size fixed")
     decode_run_ms: float = Field(
-        8.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13: "
+        32.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13: "
         "llama.cpp's, OpenVINO's): while every running request is plain greedy decoding and none waits, as many steps as "
-        "fit in about this many milliseconds (at most 32), the engine's own work paid once per run; a request "
-        "arriving meanwhile waits at most about this long to be admitted; with DeepSpec, a lone greedy request's copy "
-        "runs (lookup-drafted verification steps) take the same budget; 0 = one step per call. LLM.generate, which "
-        "adds no request until its own have finished, runs what fits in 250 ms (at most 32 steps) whatever the "
-        "budget (any but 0)")
+        "fit in about this many milliseconds (at most 32), the engine's own work (and a server's streaming of the "
+        "tokens) paid once per run; a request arriving meanwhile ends the run after the step in flight where the "
+        "decoder can (API 1.15: llama.cpp's, OpenVINO's), else waits at most about this long to be admitted; with "
+        "DeepSpec, its stretches (a lone greedy request's copy runs, greedy runs between proposals) take at most "
+        "speculative.stretch_ms of it; 0 = one step per call. LLM.generate, which adds no request until its own have finished, runs what "
+        "fits in 250 ms (at most 32 steps) whatever the budget (any but 0)")
     devices: str | None = Field(
         None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
         "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")

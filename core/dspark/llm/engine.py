@@ -127,6 +127,13 @@ class LLMEngine:
             self.spec.release(request_id, seq.all_ids)
         return self._output(seq)
 
+    def end_run(self) -> None:
+        """End the greedy run in progress, if any, after its step in flight (API 1.15): a request arrived or
+        left. The one engine method another thread may call while this one steps (AsyncLLMEngine does)."""
+        end = getattr(self.runner, "end_run", None)  # the torch runner runs no greedy runs
+        if end is not None:
+            end()
+
     def abort_all(self) -> None:
         for rid in list(self._seqs):
             self.abort(rid)
@@ -153,8 +160,8 @@ class LLMEngine:
         spec = self.spec
         # A lone greedy request under DeepSpec: (lookup, k, steps), a copy run of k drafted tokens a step, or
         # with k 0 a greedy run.
-        lone = spec.lone_plan(planned, self._run.budget_ms) if spec is not None and not self.scheduler.waiting \
-            else None
+        stretch_ms = min(self._run.budget_ms, self.config.speculative.stretch_ms)
+        lone = spec.lone_plan(planned, stretch_ms) if spec is not None and not self.scheduler.waiting else None
         if lone is not None:
             src, k, n = lone[0], lone[1], min(lone[2], MAX_RUN)
             ran = self._step_copy(planned[0], src, k, n, t0, finished_only) if k \
@@ -163,7 +170,8 @@ class LLMEngine:
                 return ran
         cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
         if spec is None or cap:
-            n = self._run.steps(max(CLOSED_RUN_MS, self._run.budget_ms) if closed else None)
+            n = self._run.steps(max(CLOSED_RUN_MS, self._run.budget_ms) if closed
+                                else None if spec is None else stretch_ms)
             ran = self._greedy_run(planned, n if cap is None else min(cap, n), t0, finished_only)
             if ran is not None:
                 return ran

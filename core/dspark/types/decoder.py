@@ -297,6 +297,11 @@ class CompiledDecoder(Protocol):
     ``step`` calls would leave it. The engine calls it only while every running request is plain
     greedy decoding and none waits; tokens past a stop string or a finished request are discarded.
     A call that raises or answers malformed rows is charged as a failed step.
+
+    Optional (API 1.15, with ``greedy_steps``): ``end_run()``, called from another thread when a
+    request arrives while a run may be in progress; the run then returns after the step in flight
+    with the tokens so far (a call while no run is in progress does nothing). The engine's runs may
+    then be long (``EngineConfig.decode_run_ms``): an arrival waits for one step, not a run.
     """
 
     block_size: int
@@ -341,8 +346,8 @@ class SequenceDecoder(Protocol):
     apply ``batch.drops``, run ``batch``'s rows, return float32 logits ``[len(batch.logit_rows),
     vocab]`` as a numpy array or CPU torch tensor. A step that raises is charged to the plugin and
     the engine moves to its next target, which recomputes the sequences from their tokens.
-    Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11), and ``greedy_steps`` as there
-    (API 1.13; apply the batch's drops first, as ``step`` does).
+    Optional ``cancel()`` as for :class:`CompiledDecoder` (API 1.11), ``greedy_steps`` as there
+    (API 1.13; apply the batch's drops first, as ``step`` does) and ``end_run()`` (API 1.15).
     """
 
     kv_mode: Literal["sequence"]

@@ -96,6 +96,47 @@ def test_a_run_ends_where_one_step_at_a_time_ends(decoder: str) -> None:
     assert e.runner.failovers == []
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_end_run_ends_a_run_after_the_step_in_flight(decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A request arriving during a run (AsyncLLMEngine calls LLMEngine.end_run from the event loop's thread) ends
+    # the run after its step in flight; the request goes on in the next run, with the tokens of plain decoding.
+    plain = _first_tokens(decoder)["0"]
+    e = _engine(RUN_MS, decoder)
+    e._run.observe(1.0)
+    e.end_run()  # no run in progress: nothing happens, and the next run is not ended by it
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    e.add_request("a", PROMPTS[0], sp)
+    got = list(e.step()[0].token_ids)  # the prefill and the first token
+    decodes = [0]
+    end_at = [3]  # during the run's third decode, from the step itself: where another thread's call may land
+
+    def counted(real: Any) -> Any:
+        def step(*a: Any, **k: Any) -> Any:
+            out = real(*a, **k)
+            decodes[0] += 1
+            if decodes[0] == end_at[0]:
+                e.end_run()
+            return out
+        return step
+
+    if decoder == "cpu":
+        compiled = e.runner.current.compiled
+        monkeypatch.setattr(compiled, "step", counted(compiled.step))
+    else:
+        from dspark_llamacpp import runtime
+
+        monkeypatch.setattr(runtime.Context, "_decode_checked",
+                            lambda self, m, real=runtime.Context._decode_checked: counted(real)(self, m))
+    lengths = []
+    while e.has_unfinished():
+        out = e.step()[0]
+        lengths.append(len(out.token_ids) - len(got))
+        got = list(out.token_ids)
+    assert lengths[0] == 3  # the run ended after the step in which end_run was called
+    assert lengths[1] == min(MAX_RUN, 40 - 1 - 3)  # the next run is whole: the flag went with the run it ended
+    assert got == plain
+
+
 def test_observers_see_each_step_of_a_run() -> None:
     # The server's step histogram (dspark_partition_latency_seconds) is told each step, a run's steps their share.
     e = _engine(RUN_MS, "cpu")
@@ -269,7 +310,7 @@ def test_deepspec_runs_the_stretches_it_has_nothing_to_draft_for(decoder: str) -
     host.register(silent, "silent")
     host.load()
     e = float_engine(decoder, decode_run_ms=RUN_MS, max_batch_size=4, plugin_host=host,
-                     speculative_decoding={"strategy": "deepspec", "drafters": ["silent"]})
+                     speculative_decoding={"strategy": "deepspec", "drafters": ["silent"], "stretch_ms": RUN_MS})
     assert e.spec is not None and [h.name for h in e.spec.handles] == ["silent"]
     calibration = silent.calls  # the startup calibration times the drafter
     done, streamed = _drive(e, {str(i): (p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))

@@ -281,6 +281,13 @@ class DecoderRunner:
             raise TimeoutError(f"step did not return within {timeout:g} s") from None
 
     # -- several greedy steps in one call (API 1.13) ----------------------------------------------
+    def end_run(self) -> None:
+        """End the greedy run in progress after its step in flight (API 1.15), from any thread; nothing when
+        none runs or the current target cannot end one early."""
+        end = getattr(self.current.compiled, "end_run", None)
+        if end is not None:
+            end()
+
     def offers_greedy_steps(self) -> bool:
         """The current target runs greedy runs (API 1.13); a paged one not while LongRoPE may switch modes
         mid-run (its long rows are the engine's to lay out)."""

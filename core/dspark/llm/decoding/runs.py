@@ -4,8 +4,9 @@ A decode step of a small model is short, and the engine's own work around it (sc
 sampling, stop checks, outputs) is a sizeable share of it (docs/benchmarks.md). While every running
 request is plain greedy decoding and nothing waits to be admitted, the decoder can take its own argmax
 and feed it back for several steps; the engine's work is then paid once per run (vLLM's multi-step
-scheduling). The run's length is bounded in time, not in steps: a request that arrives during a run
-waits at most about ``EngineConfig.decode_run_ms`` longer to be admitted.
+scheduling). The run's length is bounded in time, not in steps (``EngineConfig.decode_run_ms``). A
+request that arrives during a run ends it after the step in flight where the decoder can (API 1.15,
+``end_run``: llama.cpp's and OpenVINO's), else waits at most about the budget longer to be admitted.
 """
 
 from __future__ import annotations

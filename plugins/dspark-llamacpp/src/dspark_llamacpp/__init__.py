@@ -24,7 +24,7 @@ from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
 __version__ = "0.1.0"
-DSPARK_API_VERSION = "1.13"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps
+DSPARK_API_VERSION = "1.15"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps; end_run
 
 log = get_logger("dspark_llamacpp")
 MAX_SEQS = 256  # LLAMA_MAX_SEQ: the most sequences one llama.cpp context holds
@@ -203,8 +203,9 @@ class LlamaDecoder:
         """Several greedy decode steps in one call (API 1.13): one ``llama_decode`` and an argmax per step."""
         for seq, first in batch.drops:
             kv.drop(seq, first)
-        with self._cancel_lock:
+        with self._cancel_lock:  # an end_run() from here on reaches this run
             self._running = kv
+            kv.start_run()
         try:
             out: np.ndarray = kv.greedy(batch.seq_ids, batch.input_ids, batch.positions, limits, stop_ids, self.vocab)
         finally:
@@ -217,6 +218,13 @@ class LlamaDecoder:
         with self._cancel_lock:
             if self._running is not None:
                 self._running.cancel()
+
+    def end_run(self) -> None:
+        """End the greedy run in progress after its step in flight (API 1.15: a request arrived); nothing when
+        none runs."""
+        with self._cancel_lock:
+            if self._running is not None:
+                self._running.end_run()
 
 
 @hookimpl

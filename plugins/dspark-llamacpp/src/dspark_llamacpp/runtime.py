@@ -183,6 +183,7 @@ class Context:
         if _ABORT is None:
             _ABORT = _abort_check()
         self._abort = (ctypes.c_char * 2)()  # [flag, 0]: cancel() sets the flag, each decode clears it
+        self._end = False  # end_run() sets it: greedy() returns after the step in flight
         C.llama_set_abort_callback(ctx, _ABORT, ctypes.addressof(self._abort))
         self.mem = C.llama_get_memory(ctx)
         self.n_ctx = int(C.llama_n_ctx(ctx))
@@ -293,7 +294,7 @@ class Context:
                 self._decode_checked(1)
                 t = int(self._logits_view(1)[0, :vocab].argmax())
                 out[0, s] = t
-                if t in stops:
+                if t in stops or self._end:
                     break
             return out
         order = np.argsort(slots, kind="stable")  # consecutive slots: one micro-batch (see decode)
@@ -312,9 +313,17 @@ class Context:
             tok[active] = nxt
             pos[active] += 1
             active = active[(s + 1 < limits[active]) & ~np.isin(nxt, stop_arr)]
-            if not len(active):
+            if not len(active) or self._end:
                 break
         return out
+
+    def end_run(self) -> None:
+        """End the running ``greedy`` after the step in flight (from any thread): each sequence keeps the tokens
+        it has. Cleared by the caller before the next run (:meth:`start_run`)."""
+        self._end = True
+
+    def start_run(self) -> None:
+        self._end = False
 
     def _decode_checked(self, m: int) -> None:
         rc = C.llama_decode(self.ptr, self._batch)
