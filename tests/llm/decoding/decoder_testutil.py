@@ -139,12 +139,14 @@ class Faulty(Renamed):
 
 class LlamacppWrapped(_Renaming):
     """llama.cpp's decoder (plugins/dspark-llamacpp) under another runtime name (``RUNTIME``); subclasses change
-    what a step does (``_step``), and with ``RUNS`` the decoder offers greedy runs (API 1.13, ``_greedy_steps``).
+    what a step does (``_step``), and with ``RUNS`` the decoder offers greedy runs (API 1.13, ``_greedy_steps``), with
+    ``ENDS`` also ``end_run`` (API 1.15, ``_end_run``).
     Built only where the plugin is installed."""
 
-    DSPARK_API_VERSION = "1.13"
+    DSPARK_API_VERSION = "1.15"
     RUNTIME = "wrapped llama.cpp"
     RUNS = False
+    ENDS = False  # with RUNS: the decoder offers end_run (API 1.15, ``_end_run``)
 
     def _devices(self, refresh: bool) -> list[Any]:
         import dspark_llamacpp
@@ -177,11 +179,18 @@ class LlamacppWrapped(_Renaming):
             def greedy_steps(self, kv: Any, batch: Any, limits: Any, stop_ids: frozenset[int]) -> Any:
                 return plugin._greedy_steps(inner, kv, batch, limits, stop_ids)
 
-        return Running() if self.RUNS else Wrapped()
+        class Ending(Running):
+            def end_run(self) -> None:
+                plugin._end_run(inner)
+
+        return (Ending() if self.ENDS else Running()) if self.RUNS else Wrapped()
 
     def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
         return inner.step(kv, batch)
 
     def _greedy_steps(self, inner: Any, kv: Any, batch: Any, limits: Any, stop_ids: frozenset[int]) -> Any:
         return inner.greedy_steps(kv, batch, limits, stop_ids)
+
+    def _end_run(self, inner: Any) -> None:
+        inner.end_run()
 

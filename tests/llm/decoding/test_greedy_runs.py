@@ -243,7 +243,22 @@ class _BadRuns(LlamacppWrapped):
         return out
 
 
-def _bad_engine(bad: _BadRuns) -> tuple[LLMEngine, PluginHost]:
+class _BadEnd(LlamacppWrapped):
+    """llama.cpp's decoder with greedy runs whose end_run raises."""
+
+    RUNTIME = "bad-end llama.cpp"
+    RUNS = True
+    ENDS = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _end_run(self, inner: Any) -> None:
+        self.calls += 1
+        raise RuntimeError("end_run broke")
+
+
+def _bad_engine(bad: LlamacppWrapped) -> tuple[LLMEngine, PluginHost]:
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "llamacpp"}))
     host.register(bad, "badruns")
     host.load()
@@ -323,3 +338,19 @@ def test_deepspec_runs_the_stretches_it_has_nothing_to_draft_for(decoder: str) -
     assert s.forward_steps >= 40 and s.steps <= 2 + _EXPLORE_FIRST + 2 * 5, (s.steps, s.forward_steps)
     assert 0 < silent.calls - calibration <= len(PROMPTS) * (_EXPLORE_FIRST + 6)
     assert s.spec_drafts == 0
+
+
+@needs_llamacpp
+def test_a_decoder_whose_end_run_raises_is_charged_and_not_asked_again() -> None:
+    # end_run is called from a request's arrival (the server's event loop): the plugin's fault is charged to it,
+    # the arrival and the decoding go on, and its runs end at their budget from then on.
+    bad = _BadEnd()
+    e, host = _bad_engine(bad)
+    assert e.stats().decoder == "badruns@cpu", e.decoder_choice
+    e.end_run()
+    e.end_run()
+    assert bad.calls == 1
+    assert [f.hook for f in host.faults.of("badruns")] == ["decoder.end_run"]
+    done, _ = _drive(e, {"0": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})
+    assert done["0"][0] == _first_tokens("llamacpp")["0"]
+    assert e.runner.failovers == []

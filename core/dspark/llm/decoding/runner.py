@@ -131,6 +131,7 @@ class DecoderRunner:
         self.observers = StepObservers()  # told each step's time (the reference's own steps included), when any listen
         self._caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._no_end_run: set[str] = set()  # targets whose end_run raised (not asked again)
 
     # -- what the engine reads off a runner (the model executor's surface) -------------------
     # Named one by one: the model's config, dtype and weights are the torch runner's; anything else of
@@ -283,10 +284,20 @@ class DecoderRunner:
     # -- several greedy steps in one call (API 1.13) ----------------------------------------------
     def end_run(self) -> None:
         """End the greedy run in progress after its step in flight (API 1.15), from any thread; nothing when
-        none runs or the current target cannot end one early."""
-        end = getattr(self.current.compiled, "end_run", None)
-        if end is not None:
+        none runs or the current target cannot end one early. A target whose ``end_run`` raises is charged
+        and not asked again: its runs then end at their budget, as a decoder's without it."""
+        target = self.current
+        end = getattr(target.compiled, "end_run", None)
+        if end is None or target.label in self._no_end_run:
+            return
+        try:
             end()
+        except Exception as exc:  # the caller is a request's arrival: it must not fail for the plugin's fault
+            self._no_end_run.add(target.label)
+            reason = f"end_run: {type(exc).__name__}: {exc}"
+            log.error("llm.decoder.end_run_failed", target=target.label, reason=reason)
+            if self.host is not None and target.plugin is not None:
+                self.host.charge(target.plugin, "decoder.end_run", reason, device=target.device_id)
 
     def offers_greedy_steps(self) -> bool:
         """The current target runs greedy runs (API 1.13); a paged one not while LongRoPE may switch modes
