@@ -25,7 +25,7 @@ def test_devices_lists_the_plugin_from_its_entry_point() -> None:
     inv = json.loads(proc.stdout)
     p = {x["name"]: x for x in inv["plugins"]}["llamacpp"]
     assert p["source"] == "entry point" and p["module"] == "dspark_llamacpp"
-    assert p["api_version"] == "1.13" and p["status"] == "active", p
+    assert p["api_version"] == "1.15" and p["status"] == "active", p
     cpu = next(d for d in inv["devices"] if d["id"] == "cpu")
     driver = next(d for d in cpu["drivers"] if d["plugin"] == "llamacpp")
     assert driver["runtime"].startswith("llama.cpp (llama-cpp-python ")
