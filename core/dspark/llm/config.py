@@ -223,14 +223,15 @@ class EngineConfig(BaseModel):
         "(larger number), lowest and newest first, when no batch slot or pages are left for it")
     target_step_ms: float | None = Field(None, gt=0, description="adaptive batch size target; None keeps max_batch_size fixed")
     decode_run_ms: float = Field(
-        32.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API 1.13: "
-        "llama.cpp's, OpenVINO's): while every running request is plain greedy decoding and none waits, as many steps as "
-        "fit in about this many milliseconds (at most 32), the engine's own work (and a server's streaming of the "
-        "tokens) paid once per run; a request arriving meanwhile ends the run after the step in flight where the "
-        "decoder can (API 1.15: llama.cpp's, OpenVINO's), else waits at most about this long to be admitted; with "
-        "DeepSpec, its stretches (a lone greedy request's copy runs, greedy runs between proposals) take at most "
-        "speculative.stretch_ms of it; 0 = one step per call. LLM.generate, which adds no request until its own have finished, runs what "
-        "fits in 250 ms (at most 32 steps) whatever the budget (any but 0)")
+        32.0, ge=0, description="greedy decode steps run in one call to a decoder that offers it (plugin API "
+        "1.13: llama.cpp's, OpenVINO's): while every running request is plain greedy decoding and none waits, as "
+        "many steps as fit in about this many milliseconds (at most 32), the engine's own work (and a server's "
+        "streaming of the tokens) paid once per run; a request arriving meanwhile ends the run after the step in "
+        "flight where the decoder can (API 1.15: llama.cpp's, OpenVINO's), else waits at most about this long to "
+        "be admitted; with DeepSpec, its stretches (a lone greedy request's copy runs, greedy runs between "
+        "proposals) take at most speculative_decoding.stretch_ms of it; 0 = one step per call. LLM.generate, "
+        "which adds no request until its own have finished, runs what fits in 250 ms (at most 32 steps) whatever "
+        "the budget (any but 0)")
     devices: str | None = Field(
         None, description="where the layers run: None = all on the CPU without asking the placer; 'auto' = "
         "the placer over the probed devices; or a device-profile YAML path (its devices torch can drive here)")

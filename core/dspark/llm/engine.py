@@ -128,8 +128,8 @@ class LLMEngine:
         return self._output(seq)
 
     def end_run(self) -> None:
-        """End the greedy run in progress, if any, after its step in flight (API 1.15): a request arrived or
-        left. The one engine method another thread may call while this one steps (AsyncLLMEngine does)."""
+        """End the greedy run in progress, if any, after its step in flight (API 1.15): a request arrived. The
+        one engine method another thread may call while this one steps (AsyncLLMEngine does)."""
         end = getattr(self.runner, "end_run", None)  # the torch runner runs no greedy runs
         if end is not None:
             end()
