@@ -17,6 +17,7 @@ blocks (:mod:`.gathered`): any block size, float32 KV.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -165,10 +166,20 @@ class OpenVINODecoder:
         model = decoder_ops.build(self.spec, layers, head=head, store=store)
         return runtime.core().compile_model(model, self.ov_name, self.config)
 
+    @staticmethod
+    def _several(batch: StepBatch) -> bool:
+        return len(batch.input_ids if batch.input_ids is not None else batch.hidden) > 1
+
+    def _packing(self, req: Any, batch: StepBatch) -> bool:
+        """Whether OpenVINO packs weights in this step: the first step of one row, or of several, on the main
+        request of a decoder whose weights are mapped from a file."""
+        return bool(self._unpacked) and self.weights_file is not None and req is self.request \
+            and self._several(batch) in self._unpacked
+
     def _packed(self, batch: StepBatch) -> None:
         """After the first step of one row and the first of several: OpenVINO has packed every weight for
         its kernels, so the mapped pages it packed from leave memory (read back from disk if ever needed)."""
-        several = len(batch.input_ids if batch.input_ids is not None else batch.hidden) > 1
+        several = self._several(batch)
         if several in self._unpacked:
             self._unpacked.discard(several)
             if self.weights_file is not None:
@@ -192,11 +203,17 @@ class OpenVINODecoder:
         return self._exits[exit_layer]
 
     def step(self, kv: list[tuple[Any, Any]], batch: StepBatch) -> np.ndarray:
+        return self._step(kv, batch, np.array)  # a copy: the next step reuses the output buffer
+
+    def _step(self, kv: list[tuple[Any, Any]], batch: StepBatch,
+              read: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """One step; ``read`` takes what the caller needs from the output (logits or hidden rows) while the
+        buffer is still this step's."""
         with self._lock:
             req = self._request(batch.exit_layer)
             a = self.spec.layers[0]
             if self.gathered:
-                return self._step_gathered(req, kv, batch)
+                return read(self._step_gathered(req, kv, batch))
             if self._bound.get(id(req)) is not kv:
                 for i in range(len(kv) if req is self.request else batch.exit_layer - a):  # type: ignore[operator]
                     req.set_tensor(f"key_cache.{a + i}", kv[i][0])
@@ -214,10 +231,10 @@ class OpenVINODecoder:
                 feed["logit_rows"] = batch.logit_rows
             for name, value in feed.items():
                 self._feed(req, name, value)
-            self._infer(req)
+            self._infer(req, self._packing(req, batch))
             if self._unpacked and req is self.request:
                 self._packed(batch)
-            return np.array(req.get_output_tensor(0).data)  # a copy: the next step reuses the buffer
+            return read(req.get_output_tensor(0).data)
 
     def greedy_steps(self, kv: list[tuple[Any, Any]], batch: StepBatch, limits: np.ndarray,
                      stop_ids: frozenset[int]) -> np.ndarray:
@@ -235,7 +252,7 @@ class OpenVINODecoder:
             self._in_run, self._end = True, False
         try:
             for s in range(steps):
-                nxt = self.step(kv, batch)[:, :vocab].argmax(1)
+                nxt = self._step(kv, batch, lambda logits: logits[:, :vocab].argmax(1))  # no copy of the logits
                 out[:, s] = nxt
                 if s + 1 == steps or self._end or (len(stops) and bool(np.isin(nxt, stops).any())):
                     break
@@ -269,12 +286,13 @@ class OpenVINODecoder:
         held = self._held[key] = np.array(value, order="C")  # owned: the batch's arrays are the engine's
         req.set_tensor(name, ov.Tensor(held, shared_memory=True))
 
-    def _infer(self, req: Any) -> None:
+    def _infer(self, req: Any, packing: bool = False) -> None:
         with self._cancel_lock:  # a cancel meant for this step reaches this step only
             self._cancelled, self._running = False, req
-        # While OpenVINO packs (the first steps) the pages it packed from go as it proceeds, so the load peaks
-        # at the packed copy and a little, not at the packed copy and the whole mapped file.
-        releasing = _Releasing(self.weights_file) if self._unpacked and self.weights_file is not None else None
+        # While OpenVINO packs (``packing``: the first steps) the pages it packed from go as it proceeds, so the
+        # load peaks at the packed copy and a little, not at the packed copy and the whole mapped file. Only
+        # then: a thread started and joined each step costs a step of a small model a tenth of a millisecond.
+        releasing = _Releasing(self.weights_file) if packing and self.weights_file is not None else None
         try:
             req.infer()
         finally:
@@ -312,7 +330,7 @@ class OpenVINODecoder:
             feed[f"key_cache.{a + i}"], feed[f"value_cache.{a + i}"] = kv[i]
         for name, value in feed.items():
             req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
-        self._infer(req)
+        self._infer(req, self._packing(req, batch))
         if self._unpacked and req is self.request:
             self._packed(batch)
         for i in layers:

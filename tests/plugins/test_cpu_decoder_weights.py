@@ -132,6 +132,40 @@ def test_pages_are_released_beside_a_step_until_stopped(tmp_path: Path, monkeypa
     assert np.array_equal(view, big)
 
 
+def test_pages_are_released_beside_the_packing_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A releasing thread runs beside the first step of several rows and the first of one row (OpenVINO packs
+    then), not beside the steps after them: a server that never steps one row (every batch of two or more
+    requests) would otherwise start and join a thread every step."""
+    import dspark_plugins_cpu.decoder as decoder
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    if not mapped.usable():
+        pytest.skip(f"mapped weights save nothing here (not Linux, or {tmp_path} is in memory)")
+    started: list[int] = []
+    real = decoder._Releasing
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: object, **k: object) -> None:
+            started.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(decoder, "_Releasing", Counted)
+    device = _device()
+    runner = ModelRunner.from_pretrained(str(MODEL), torch.float32)
+    dec = OpenVINODecoder(make_spec(runner, MODEL, max_num_tokens=64, max_num_seqs=2), device)
+    assert dec.weights_file is not None
+    dr = DecoderRunner(ModelRunner.weightless(runner.cfg, runner.dtype), [Target("cpu@cpu", "openvino", dec, "cpu",
+                                                                              "cpu")], step_timeout_s=None, max_seqs=2)
+    cache = dr.make_cache(8, dec.block_size)
+    out = dr.step(cache, [SeqChunk("a", PROMPT), SeqChunk("b", PROMPT[:5])])  # several rows: packs
+    for _ in range(6):  # steps of two rows: packed already
+        out = dr.step(cache, [SeqChunk("a", [int(out[0].argmax())]), SeqChunk("b", [int(out[1].argmax())])])
+    assert len(started) == 1
+    dr.step(cache, [SeqChunk("a", [int(out[0].argmax())])])  # the first step of one row: packs
+    dr.step(cache, [SeqChunk("a", [7])])
+    assert len(started) == 2
+
+
 def test_a_cache_that_cannot_be_written_leaves_openvino_its_own_copies(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     device = _device()
