@@ -173,17 +173,14 @@ class OpenVINODecoder:
     def _packing(self, req: Any, batch: StepBatch) -> bool:
         """Whether OpenVINO packs weights in this step: the first step of one row, or of several, on the main
         request of a decoder whose weights are mapped from a file."""
-        return bool(self._unpacked) and self.weights_file is not None and req is self.request \
-            and self._several(batch) in self._unpacked
+        return self.weights_file is not None and req is self.request and self._several(batch) in self._unpacked
 
     def _packed(self, batch: StepBatch) -> None:
-        """After the first step of one row and the first of several: OpenVINO has packed every weight for
-        its kernels, so the mapped pages it packed from leave memory (read back from disk if ever needed)."""
-        several = self._several(batch)
-        if several in self._unpacked:
-            self._unpacked.discard(several)
-            if self.weights_file is not None:
-                self.weights_file.release()
+        """After a packing step (the first of one row, the first of several): OpenVINO has packed every weight
+        for such steps, so the mapped pages it packed from leave memory (read back from disk if ever needed)."""
+        assert self.weights_file is not None
+        self._unpacked.discard(self._several(batch))
+        self.weights_file.release()
 
     def allocate(self, num_blocks: int) -> list[tuple[Any, Any]]:
         import openvino as ov
@@ -231,8 +228,9 @@ class OpenVINODecoder:
                 feed["logit_rows"] = batch.logit_rows
             for name, value in feed.items():
                 self._feed(req, name, value)
-            self._infer(req, self._packing(req, batch))
-            if self._unpacked and req is self.request:
+            packing = self._packing(req, batch)
+            self._infer(req, packing)
+            if packing:
                 self._packed(batch)
             return read(req.get_output_tensor(0).data)
 
@@ -330,8 +328,9 @@ class OpenVINODecoder:
             feed[f"key_cache.{a + i}"], feed[f"value_cache.{a + i}"] = kv[i]
         for name, value in feed.items():
             req.set_tensor(name, ov.Tensor(np.ascontiguousarray(value), shared_memory=True))
-        self._infer(req, self._packing(req, batch))
-        if self._unpacked and req is self.request:
+        packing = self._packing(req, batch)
+        self._infer(req, packing)
+        if packing:
             self._packed(batch)
         for i in layers:
             for j, kind in enumerate(("key", "value")):

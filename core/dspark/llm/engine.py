@@ -160,7 +160,7 @@ class LLMEngine:
         spec = self.spec
         # A lone greedy request under DeepSpec: (lookup, k, steps), a copy run of k drafted tokens a step, or
         # with k 0 a greedy run.
-        stretch_ms = min(self._run.budget_ms, self.config.speculative.stretch_ms)
+        stretch_ms = 0.0 if spec is None else min(self._run.budget_ms, self.config.speculative.stretch_ms)
         lone = spec.lone_plan(planned, stretch_ms) if spec is not None and not self.scheduler.waiting else None
         if lone is not None:
             src, k, n = lone[0], lone[1], min(lone[2], MAX_RUN)
