@@ -4,14 +4,21 @@ An EP that ``get_available_providers()`` lists is only compiled in; it is
 usable when a session on a one-node model really runs on it. Usable EPs
 become :class:`~dspark.types.Device` records, the others
 :class:`~dspark.types.Unavailable` with the reason.
+
+The list is kept in :mod:`dspark.host.cache` under a snapshot of what it depends on, read without
+importing ONNX Runtime (:func:`snapshot_key`), and reused while that is unchanged: importing ONNX Runtime
+and trying its providers adds about 30 MB to a process that then runs its model elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
+from pathlib import Path
 from typing import Any
 
-from dspark.sdk import hostinfo
+from dspark.sdk import cache, hostinfo
 from dspark.types import Device, DType, HardwareUnavailable, Unavailable
 from dspark_plugins_npu import bench, models, providers, session
 
@@ -19,7 +26,70 @@ _CPU_DTYPES: list[DType] = ["float32", "float64", "float16", "int64", "int32", "
 _ACCEL_DTYPES: list[DType] = ["float32", "float16", "int64", "int32", "int8", "uint8", "bool"]
 
 
+# Device nodes of the accelerators an execution provider may drive; a driver's version where it says one.
+_NODES = ("/dev/nvidia*", "/dev/dri/renderD*", "/dev/accel/accel*", "/dev/kfd", "/dev/dxg")
+_DRIVER_FILES = ("/proc/driver/nvidia/version",)
+# What decides which GPU a provider sees, or whether its libraries load.
+_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
+
+
 def probe(refresh: bool) -> list[Device | Unavailable]:
+    key = snapshot_key()
+    if key is None:  # ONNX Runtime is not installed: what session.ort() raises says so
+        return _probe(refresh)
+    if not refresh and (hit := cache.load(bench.NAMESPACE, key)) is not None:
+        try:
+            return [_relive(entry) for entry in hit]
+        except (ValueError, TypeError, KeyError):
+            pass  # written by an older layout: probe again
+    found = _probe(refresh)
+    cache.store(bench.NAMESPACE, key, [d.model_dump(mode="json") for d in found])
+    return found
+
+
+def snapshot_key() -> dict[str, Any] | None:
+    """What the list of devices depends on, read without importing ONNX Runtime: the installed build (its
+    distributions' names and versions, the libraries in ``onnxruntime/capi`` with their sizes and times), the
+    accelerators' device nodes and driver version, the environment that picks a GPU or finds a provider's
+    libraries, and the host's CPU. None when ONNX Runtime is not installed."""
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    capi = Path(next(iter(spec.submodule_search_locations))) / "capi"
+    libs = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in capi.glob("*.so*")) \
+        if capi.is_dir() else []
+    # Every distribution that installs the package (vendor builds replace the default wheel): name and version
+    dists = sorted(p.name for p in capi.parent.parent.glob("onnxruntime*.dist-info"))
+    nodes = sorted(str(p) for pattern in _NODES for p in Path("/").glob(pattern.lstrip("/")))
+    drivers = {}
+    for f in _DRIVER_FILES:
+        try:
+            drivers[f] = Path(f).read_text(errors="replace").strip()
+        except OSError:
+            pass
+    return {"snapshot": "ort-devices-v1", "package": str(capi.parent), "distributions": dists, "libs": libs,
+            "nodes": nodes, "drivers": drivers, "env": {k: os.environ.get(k) for k in _ENV},
+            **hostinfo.fingerprint()}
+
+
+def _relive(entry: dict[str, Any]) -> Device | Unavailable:
+    """A cached device with its live figures (free memory, load) read now."""
+    if "what" in entry:
+        return Unavailable.model_validate(entry)
+    device = Device.model_validate(entry)
+    if device.kind == "cpu":
+        device.memory_total_bytes, device.memory_free_bytes = hostinfo.memory()
+        device.utilization = hostinfo.cpu_utilization()
+        device.memory_bandwidth_bytes_per_s = hostinfo.memory_bandwidth(False)
+        return device
+    info = providers.info(device.properties["execution_provider"])
+    _, total, free, util = _accelerator_facts(info.id_prefix, int(device.properties["device_index"]))
+    if total is not None:
+        device.memory_total_bytes, device.memory_free_bytes, device.utilization = total, free, util
+    return device
+
+
+def _probe(refresh: bool) -> list[Device | Unavailable]:
     rt = session.ort()
     available = list(rt.get_available_providers())
     common = {"ort_version": rt.__version__, "ort_device": rt.get_device(), "available_providers": available}

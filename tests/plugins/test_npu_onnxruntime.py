@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -103,19 +104,56 @@ def test_probe_is_fast_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     t0 = time.perf_counter()
     first = _cpu_of(npu.dspark_probe_devices(refresh=False))
     cold = time.perf_counter() - t0
-    files = list((tmp_path / bench.NAMESPACE).glob("*.json"))
-    assert len(files) == 1, "one cached measurement for the CPU EP"
-    # Doctor the cached entry: a cached probe must return it, a refresh must replace it.
-    entry = json.loads(files[0].read_text())
-    entry["value"]["float32_flops"] = 123.0
-    entry["value"]["call_overhead_s"] = 0.5
-    files[0].write_text(json.dumps(entry))
+    figures = list((tmp_path / bench.NAMESPACE).glob("*.json"))
+    assert len(figures) == 2, "one cached measurement for the CPU EP, one device list"
+    # Doctor the cached device list: a cached probe must return it, a refresh must replace it.
+    listed = next(f for f in figures if json.loads(f.read_text())["key"].get("snapshot"))
+    entry = json.loads(listed.read_text())
+    cpu_entry = next(d for d in entry["value"] if d.get("id") == "cpu")
+    cpu_entry["peak_flops"]["float32"] = 123.0
+    cpu_entry["properties"]["call_overhead_s"] = 0.5
+    listed.write_text(json.dumps(entry))
     cached = _cpu_of(npu.dspark_probe_devices(refresh=False))
     assert cached.peak_flops["float32"] == 123.0 and cached.properties["call_overhead_s"] == 0.5
+    assert cached.memory_free_bytes and cached.utilization is not None  # the live figures read now
     refreshed = _cpu_of(npu.dspark_probe_devices(refresh=True))
     assert refreshed.peak_flops["float32"] > 1e8 and refreshed.properties["call_overhead_s"] < 0.01
+    assert _cpu_of(npu.dspark_probe_devices(refresh=False)).peak_flops == refreshed.peak_flops
     assert first.peak_flops["float32"] > 1e8
     assert cold < 2.0, cold  # its microbenchmarks run on time budgets (0.5 s in all)
+
+
+def test_a_cached_probe_imports_no_onnxruntime(tmp_path: Path) -> None:
+    """A process whose model runs elsewhere pays neither ONNX Runtime's import nor its memory: the second process
+    lists the same devices from the cache, without onnxruntime in sys.modules."""
+    code = ("import json, sys, dspark_plugins_npu as npu; found = npu.dspark_probe_devices(refresh=False); "
+            "print(json.dumps([sorted(d.model_dump(mode='json', exclude={'memory_free_bytes', 'utilization', "
+            "'memory_bandwidth_bytes_per_s', 'memory_total_bytes'})) for d in found]), 'onnxruntime' in sys.modules)")
+    env = {**os.environ, "DSPARK_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                           check=True, timeout=120).stdout.split() for _ in range(2)]
+    assert runs[0][-1] == "True" and runs[1][-1] == "False"
+    assert runs[0][:-1] == runs[1][:-1]
+
+
+def test_a_changed_snapshot_probes_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the device list depends on is its key: another GPU selection is probed, not read from the cache."""
+    from dspark_plugins_npu import probe
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    key = probe.snapshot_key()
+    assert key is not None and key["distributions"] and key["libs"]
+    npu.dspark_probe_devices(refresh=False)
+    calls: list[str] = []
+    real = probe._probe_ep
+    monkeypatch.setattr(probe, "_probe_ep", lambda ep, *a: calls.append(ep) or real(ep, *a))
+    npu.dspark_probe_devices(refresh=False)
+    assert calls == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert probe.snapshot_key() != key
+    npu.dspark_probe_devices(refresh=False)
+    assert calls == list(ort.get_available_providers())
 
 
 def _cpu_of(found: list[Device | Unavailable]) -> Device:
