@@ -168,14 +168,17 @@ class LLMEngine:
                 else self._greedy_run(planned, n, t0, finished_only)
             if ran is not None:
                 return ran
-        cap = None if spec is None else spec.run_steps()  # with speculation: runs only in stretches it leaves
+        cap = None if spec is None else spec.run_steps(len(planned))  # with speculation: runs in stretches it leaves
         if spec is None or cap:
             n = self._run.steps(max(CLOSED_RUN_MS, self._run.budget_ms) if closed
-                                else None if spec is None else stretch_ms)
+                                else None if spec is None or spec.owes_plain(len(planned)) else stretch_ms)
             ran = self._greedy_run(planned, n if cap is None else min(cap, n), t0, finished_only)
             if ran is not None:
                 return ran
-        prop = spec.propose(planned) if spec is not None else None
+        # Plain steps DeepSpec asked for (nothing to draft, proposals that yield less than plain decoding here,
+        # speculative/runs/pays.py) go one at a time where no run can go.
+        plain_only = spec is not None and bool(cap)
+        prop = spec.propose(planned) if spec is not None and not plain_only else None
         chunks = [self._chunk(p) for p in planned]
         if spec is not None and prop is not None:
             chunks = [spec.chunk(prop, p, ch) for p, ch in zip(planned, chunks)]
@@ -240,6 +243,9 @@ class LLMEngine:
         self._forward_steps += 1
         if spec is not None and prop is not None:
             spec.end_step(prop, step_ms)
+        elif spec is not None and plain_only:
+            decode_only = all(is_decode(p) for p in planned)
+            spec.stepped_plain(len(planned), len(planned) if decode_only else 0, step_ms)
         self.scheduler.record_step(step_ms)
         return outputs
 
@@ -263,9 +269,10 @@ class LLMEngine:
         fwd_ms = (time.perf_counter() - t_fwd) * 1e3
         steps = max(map(len, toks))
         self._run.observe(fwd_ms, steps)
-        if self.spec is not None:
-            self.spec.ran(len(planned), fwd_ms, steps)
-        return self._emit_run(planned, toks, t0, fwd_ms, steps, finished_only)
+        outputs = self._emit_run(planned, toks, t0, fwd_ms, steps, finished_only)
+        if self.spec is not None:  # what the run yielded, its whole engine step, against proposals (runs.pays)
+            self.spec.ran(len(planned), fwd_ms, steps, sum(map(len, toks)), (time.perf_counter() - t0) * 1e3)
+        return outputs
 
     def _step_copy(self, p: ScheduledChunk, src: int, k: int, steps: int, t0: float,
                    finished_only: bool) -> list[RequestOutput] | None:

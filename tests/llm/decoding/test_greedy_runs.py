@@ -10,6 +10,7 @@ admission or failed over like a failing step, and no request is lost.
 from __future__ import annotations
 
 import importlib.util
+import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from dspark.llm.decoding.runs import CLOSED_RUN_MS, MAX_RUN, RunLength, run_limi
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
 from dspark.llm.speculative.proposer import _EXPLORE_FIRST
+from dspark.llm.speculative.runs.pays import EXPLORE_AFTER
 from dspark.types import Draft, DrafterSpec, TargetModel
 
 HAVE_LLAMACPP = all(importlib.util.find_spec(m) is not None for m in ("dspark_llamacpp", "llama_cpp"))
@@ -338,6 +340,37 @@ def test_deepspec_runs_the_stretches_it_has_nothing_to_draft_for(decoder: str) -
     assert s.forward_steps >= 40 and s.steps <= 2 + _EXPLORE_FIRST + 2 * 5, (s.steps, s.forward_steps)
     assert 0 < silent.calls - calibration <= len(PROMPTS) * (_EXPLORE_FIRST + 6)
     assert s.spec_drafts == 0
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_deepspec_backs_off_a_batch_whose_proposals_yield_less_than_plain_decoding(
+        decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose sequences draft something most steps (prompt lookup on code), with every verification slowed
+    on purpose by 20 ms (a step of a few ms: no machine's noise crosses that): the proposals yield fewer tokens a
+    ms than plain decoding, so after the first ones DeepSpec backs off to runs of 2, 4, ... 32 steps between
+    proposals (speculative/runs/pays.py), and the tokens are plain decoding's."""
+    n = 120
+    plain = _first_tokens(decoder, n)
+    e = float_engine(decoder, decode_run_ms=RUN_MS, max_batch_size=4,
+                     speculative_decoding={"strategy": "deepspec", "drafters": ["prompt-lookup"]})
+    assert e.spec is not None
+    verify, verified = e.spec.verify, [0]
+
+    def slowed(*a: Any) -> None:
+        verified[0] += 1
+        time.sleep(0.02)
+        verify(*a)
+
+    monkeypatch.setattr(e.spec, "verify", slowed)
+    done, _ = _drive(e, {str(i): (p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                         for i, p in enumerate(PROMPTS)})
+    assert {k: v[0] for k, v in done.items()} == plain
+    s = e.stats()
+    assert s.spec_drafts > 0  # it drafted, so the rule of proposals without a draft never let runs go
+    # The first exploration's proposals, those before plain decoding is measured at 4 sequences, one after each
+    # of the doubling runs: far fewer than the n a sequence would take proposing every step.
+    assert verified[0] <= _EXPLORE_FIRST + EXPLORE_AFTER + 12, verified[0]
+    assert s.steps * 3 < s.forward_steps, (s.steps, s.forward_steps)  # runs took the stretch
 
 
 @needs_llamacpp

@@ -60,6 +60,7 @@ from dspark.llm.speculative.proposer import (
     ReqState,
     repetitiveness,
 )
+from dspark.llm.speculative.runs.pays import MIN_SEQS, Yields
 from dspark.llm.speculative.runs.replay import Replay
 from dspark.llm.speculative.verify import (
     accept_greedy_blocks,
@@ -177,6 +178,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._explore_gap = _EXPLORE_FIRST
         self.idle = 0  # decode-only proposals in a row that drafted nothing (Learner.end_step)
         self._ran = False  # the last engine step was a greedy run: the next one proposes
+        self.yields = Yields()  # tokens per ms of proposal steps and of greedy runs, by batch size (run_steps)
         # Copy runs (lone_plan, copy_run). The built-in lookups a replay follows: prompt lookup first (no
         # copy runs without it), then suffix lookup; each lone request's replay and its lookups by index;
         # a lone sequence's step time by its rows, measured; stretches decided; whether a model
@@ -220,18 +222,38 @@ class SpecDecoder(Proposer, Learner, Calibration):
         for h in self.handles:
             self._tell(h, "release", rid)
 
-    def run_steps(self) -> int:
-        """Greedy decode steps the engine may run in one decoder call now instead of a speculative step (0:
+    def run_steps(self, seqs: int = 0) -> int:
+        """Plain decode steps the engine takes now instead of a speculative step, in greedy runs where it can (0:
         propose). Once ``IDLE_STEPS`` proposals in a row drafted nothing, DeepSpec lets plain stretches run
         as greedy runs (docs/decoders.md) of 2, 4, 8, ... steps, proposing once between runs: a stretch
         with nothing to draft pays the proposal's host time once per run, not once per token, and a
-        draft taken ends the runs. Not before DeepSpec has drafted, or proposed as many times as its first
-        exploration waits for (that exploration checks the startup calibration's cost model), nor while a
-        drafter reads the target's rows (a run produces none)."""
-        if self.strategy != "deepspec" or self._ran or self.rows_wanted or self.idle < IDLE_STEPS \
-                or (not self.spec_steps and self.steps <= _EXPLORE_FIRST):
+        draft taken ends the runs. So too while its proposals yield fewer tokens per ms than runs at the
+        batch's size (``runs.pays``). Where no run can go (a request waiting, a decoder without runs), the
+        engine takes those steps one at a time. Not before DeepSpec has drafted, or proposed as many times as
+        its first exploration waits for (that exploration checks the startup calibration's cost model), nor
+        while a drafter reads the target's rows (a run produces none)."""
+        if self.strategy != "deepspec" or self.rows_wanted or (not self.spec_steps and self.steps <= _EXPLORE_FIRST):
             return 0
-        return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
+        if self.owes_plain(seqs):
+            return self.yields.owed
+        if self._ran:
+            return 0
+        if self.idle >= IDLE_STEPS:
+            return 2 ** min(self.idle - IDLE_STEPS + 1, 5)
+        return self.yields.explore()
+
+    def owes_plain(self, seqs: int) -> bool:
+        """Whether a step of ``seqs`` decoding sequences owes plain steps to proposals that yielded less than
+        plain decoding (``runs.pays``; a lone sequence goes its own way): they run as long as the engine's runs
+        go, not a stretch's length."""
+        return self.yields.owed > 0 and seqs >= MIN_SEQS
+
+    def stepped_plain(self, seqs: int, tokens: int, step_ms: float) -> None:
+        """The engine took a plain step where ``run_steps`` asked for plain steps and no run could go: one of
+        those owed, what it yielded (``tokens`` of a decode-only step of ``seqs`` sequences in ``step_ms``), and
+        the next step may propose."""
+        self._ran = True
+        self.yields.plain_step(seqs, tokens, step_ms)
 
     def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float) -> tuple[int, int, int] | None:
         """How a lone plain greedy decode goes on now (docs/decoders.md, "Copy runs"): (lookup, k, n), a copy run
@@ -332,10 +354,13 @@ class SpecDecoder(Proposer, Learner, Calibration):
             self.prev_rows = 1 + k
         return out, done
 
-    def ran(self, batch_rows: int, forward_ms: float = 0.0, steps: int = 0) -> None:
-        """The engine ran a greedy run (one row per sequence a step, ``steps`` in ``forward_ms``): the next step
-        proposes."""
+    def ran(self, batch_rows: int, forward_ms: float = 0.0, steps: int = 0, tokens: int = 0,
+            run_ms: float = 0.0) -> None:
+        """The engine ran a greedy run (one row per sequence a step, ``steps`` in ``forward_ms``; ``tokens``
+        appended in ``run_ms``, its whole engine step): the next step proposes."""
         self._ran = True
+        if tokens and run_ms > 0:
+            self.yields.run(batch_rows, tokens, run_ms, steps)
         if batch_rows == 1 and steps > 1:  # a step's time at a steady shape: a change of shape is priced apart
             changed = self.change_ms if self.prev_rows != 1 else 0.0
             self._learn_ms(1, max(forward_ms - changed, 0.5 * forward_ms) / steps)

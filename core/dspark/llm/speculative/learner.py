@@ -12,6 +12,7 @@ from dspark.llm.speculative.controller import Controller, VerifyCost
 from dspark.llm.speculative.handles import DrafterCalls
 from dspark.llm.speculative.predictor import AcceptancePredictor
 from dspark.llm.speculative.proposer import Pending, Proposal, ReqState
+from dspark.llm.speculative.runs.pays import Yields
 
 
 class Learner(DrafterCalls):
@@ -27,14 +28,16 @@ class Learner(DrafterCalls):
     spec_steps: int
     explore_steps: int
     copy_runs: int
+    yields: Yields
 
     verify_cost: VerifyCost
     _make_controller: Callable[[], Controller]  # Calibration's
 
     def end_step(self, prop: Proposal, step_ms: float) -> None:
         """After the engine appended the step's tokens: per-drafter step counts, the yield rate, tokens
-        per ms over decode-only steps, that a drafted token's time is priced at, and how many decode-only
-        proposals in a row drafted nothing (``SpecDecoder.run_steps``)."""
+        per ms over decode-only steps, that a drafted token's time is priced at (and what the step yielded
+        against greedy runs, ``runs.pays``), and how many decode-only proposals in a row drafted nothing
+        (``SpecDecoder.run_steps``)."""
         self._ran = False
         dec = prop.dec
         if dec:
@@ -44,9 +47,12 @@ class Learner(DrafterCalls):
             self.handles[i].stats.steps += 1
         if prop.used:
             self.spec_steps += 1
-        if self.controller is not None and dec and not prop.prefill_tokens:
-            r = (sum(len(p.seq.output_ids) for p in dec) - prop.n_before) / max(step_ms, 1e-6)
-            self.rate = r if self.rate is None else self.rate + 0.05 * (r - self.rate)
+        if dec and not prop.prefill_tokens:
+            tokens = sum(len(p.seq.output_ids) for p in dec) - prop.n_before
+            self.yields.proposal(len(dec), tokens, step_ms)
+            if self.controller is not None:
+                r = tokens / max(step_ms, 1e-6)
+                self.rate = r if self.rate is None else self.rate + 0.05 * (r - self.rate)
 
     def _learn(self, seq: Sequence, d: Pending, n_acc: int) -> None:
         h = d.handle
@@ -75,7 +81,8 @@ class Learner(DrafterCalls):
         times the same requests several times restores it before each pass, so no pass is measured
         on requests DeepSpec has already learned from."""
         snap = copy.deepcopy({"predictor": self.predictor, "verify_cost": getattr(self, "verify_cost", None),
-                              "draft_costs": [h.cost for h in self.handles], "rate": self.rate})
+                              "draft_costs": [h.cost for h in self.handles], "rate": self.rate,
+                              "yields": self.yields.state()})
         snap["drafters"] = self._drafter_states()
         return snap
 
@@ -88,6 +95,8 @@ class Learner(DrafterCalls):
         for h, c in zip(self.handles, snap["draft_costs"]):
             h.cost = c
         self.rate = snap["rate"]
+        if "yields" in snap:  # a snapshot from before the yields were kept has none
+            self.yields.load(snap["yields"])
         self._load_drafter_states(drafters)
         if self.controller is not None:
             self.controller = self._make_controller()
