@@ -363,13 +363,14 @@ def main() -> None:
 
     print(f"\ntokens/s, batch 1, greedy, median of {rounds} rounds interleaved request by request (load average now "
           f"{os.getloadavg()[0]:.1f})")
-    print(f"{'contender':<26} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain")
+    print(f"{'contender':<26} " + " ".join(f"{w:>7}" for w in (*WORKLOADS, "mix")) + "   identical to plain   runs")
     for c in contenders:
         if c is first:
             continue
         same = all(c.outputs[w] == ref[w] for w in WORKLOADS)
+        runs = c.llm.engine.stats().decoder if c.llm is not None else ""  # the target each engine chose
         print(f"{c.name:<26} " + " ".join(f"{c.tps(w, n_tok[w]):7.1f}" for w in WORKLOADS)
-              + f" {mix(c):7.1f}   {same}")
+              + f" {mix(c):7.1f}   {str(same):<19} {runs}")
     t_first = {w: statistics.median(first.times[w]) for w in WORKLOADS}
     print("time to the first token (prefill and one step), s per workload pass: "
           + ", ".join(f"{w} {t_first[w]:.2f}" for w in WORKLOADS))
