@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from dspark.sdk.decoder import CompiledDecoder, DecoderSpec
     from dspark.types import Bid, DecoderBid, Device, Executable, QuantSpec, Unavailable
 
-DSPARK_API_VERSION = "1.15"  # the decoder as ops of dspark.sdk.family; cancel(); weights as stored; greedy_steps;
+DSPARK_API_VERSION = "1.16"  # the decoder as ops of dspark.sdk.family; cancel(); weights as stored; greedy_steps;
 # GGUF blocks as stored; end_run
 
 

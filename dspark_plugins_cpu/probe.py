@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from dspark.sdk import cache, hostinfo
+from dspark.sdk import cached_devices, hostinfo, store_devices
 from dspark.types import Device, DType, HardwareUnavailable, Unavailable
 from dspark_plugins_cpu import bench, runtime
 from dspark_plugins_cpu.properties import read_properties
@@ -22,13 +22,10 @@ _ALWAYS: list[DType] = ["int64", "int32", "bool"]
 def probe(refresh: bool) -> list[Device | Unavailable]:
     key = _snapshot_key()
     installed = importlib.util.find_spec("openvino") is not None
-    if not refresh and installed and (hit := cache.load(bench.CACHE_NAMESPACE, key)) is not None:
-        try:
-            return [_relive(entry) for entry in hit]
-        except (ValueError, TypeError, KeyError):
-            pass  # written by an older layout: probe again
+    if not refresh and installed and (hit := cached_devices(bench.CACHE_NAMESPACE, key)) is not None:
+        return hit
     found = _probe(refresh)
-    cache.store(bench.CACHE_NAMESPACE, key, [d.model_dump(mode="json") for d in found])
+    store_devices(bench.CACHE_NAMESPACE, key, found)
     return found
 
 
@@ -40,18 +37,6 @@ def _snapshot_key() -> dict[str, Any]:
     nodes = sorted(str(p) for pattern in ("/dev/dri/renderD*", "/dev/accel/accel*")
                    for p in Path("/").glob(pattern.lstrip("/")))
     return {"snapshot": "ov-devices-v1", "openvino": runtime.version(), "nodes": nodes, **hostinfo.fingerprint()}
-
-
-def _relive(entry: dict[str, Any]) -> Device | Unavailable:
-    """A cached device with its live figures (free memory, load) read now."""
-    if "what" in entry:
-        return Unavailable.model_validate(entry)
-    device = Device.model_validate(entry)
-    if device.kind == "cpu":
-        device.memory_total_bytes, device.memory_free_bytes = hostinfo.memory()
-        device.utilization = hostinfo.cpu_utilization()
-        device.memory_bandwidth_bytes_per_s = hostinfo.memory_bandwidth(False)
-    return device
 
 
 def _probe(refresh: bool) -> list[Device | Unavailable]:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dspark_plugins_npu.decoder import OrtDecoder
     from dspark_plugins_npu.executable import OrtExecutable
 
-DSPARK_API_VERSION = "1.10"  # the decoder as ops of dspark.sdk.family
+DSPARK_API_VERSION = "1.16"  # the decoder as ops of dspark.sdk.family; its device list cached
 PLUGIN_NAME = "npu"
 
 

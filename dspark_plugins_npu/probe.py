@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dspark.sdk import cache, hostinfo
+from dspark.sdk import cached_devices, hostinfo, store_devices
 from dspark.types import Device, DType, HardwareUnavailable, Unavailable
 from dspark_plugins_npu import bench, models, providers, session
 
@@ -37,13 +37,10 @@ def probe(refresh: bool) -> list[Device | Unavailable]:
     key = snapshot_key()
     if key is None:  # ONNX Runtime is not installed: what session.ort() raises says so
         return _probe(refresh)
-    if not refresh and (hit := cache.load(bench.NAMESPACE, key)) is not None:
-        try:
-            return [_relive(entry) for entry in hit]
-        except (ValueError, TypeError, KeyError):
-            pass  # written by an older layout: probe again
+    if not refresh and (hit := cached_devices(bench.NAMESPACE, key, _relive)) is not None:
+        return hit
     found = _probe(refresh)
-    cache.store(bench.NAMESPACE, key, [d.model_dump(mode="json") for d in found])
+    store_devices(bench.NAMESPACE, key, found)
     return found
 
 
@@ -72,21 +69,12 @@ def snapshot_key() -> dict[str, Any] | None:
             **hostinfo.fingerprint()}
 
 
-def _relive(entry: dict[str, Any]) -> Device | Unavailable:
-    """A cached device with its live figures (free memory, load) read now."""
-    if "what" in entry:
-        return Unavailable.model_validate(entry)
-    device = Device.model_validate(entry)
-    if device.kind == "cpu":
-        device.memory_total_bytes, device.memory_free_bytes = hostinfo.memory()
-        device.utilization = hostinfo.cpu_utilization()
-        device.memory_bandwidth_bytes_per_s = hostinfo.memory_bandwidth(False)
-        return device
+def _relive(device: Device) -> None:
+    """An accelerator's live figures (NVML's free memory and load), read now."""
     info = providers.info(device.properties["execution_provider"])
     _, total, free, util = _accelerator_facts(info.id_prefix, int(device.properties["device_index"]))
     if total is not None:
         device.memory_total_bytes, device.memory_free_bytes, device.utilization = total, free, util
-    return device
 
 
 def _probe(refresh: bool) -> list[Device | Unavailable]:

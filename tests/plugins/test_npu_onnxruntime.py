@@ -333,7 +333,7 @@ def test_plugin_manager_loads_npu_and_lists_unusable_providers() -> None:
     inv = inventory.probe(host)
     record = host.records["npu"]
     assert record.status.value == "active", record.reason
-    assert record.api_version == "1.10"
+    assert record.api_version == "1.16"
     assert "cpu" in record.devices
     assert any(drv.plugin == "npu" for drv in inv.device("cpu").drivers)
     if not HAVE_CUDA and "CUDAExecutionProvider" in ort.get_available_providers():

@@ -10,7 +10,8 @@ versioned with the plugin API (:data:`dspark.API_VERSION`): a minor version only
 - calibrated estimates: :mod:`calibration` (``estimate``, ``Estimate``, ``CannotCalibrate``,
   ``calibration_enabled``, ``make_inputs``, ``streams_weights``); ``DSPARK_CALIBRATE=0`` turns them off
 - timing and roofline: :mod:`cost` (``time_call``, ``roofline``, ``DEFAULT_OP_OVERHEAD_S``)
-- the disk cache: :mod:`cache`; host facts: :mod:`hostinfo` (``cpu_benchmark_lock``)
+- the disk cache: :mod:`cache`; host facts: :mod:`hostinfo` (``cpu_benchmark_lock``); a probe's device list
+  kept there (API 1.16): :mod:`devices` (``cached_devices``, ``store_devices``)
 - weights a runtime maps from a file and holds once (API 1.12): :mod:`mapped` (``MappedWeights``)
 - quantization layouts: :mod:`quant` (``QuantizedWeight``, ``quantize_weight``, ...)
 - logging: ``get_logger``
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     from dspark.host import cache, hostinfo
     from dspark.host.hostinfo import cpu_benchmark_lock
     from dspark.host.log import get_logger
-    from dspark.sdk import calibration, cost, decoder, family, mapped, quant, reference
+    from dspark.sdk import calibration, cost, decoder, devices, family, mapped, quant, reference
+    from dspark.sdk.devices import cached_devices, store_devices
     from dspark.sdk.mapped import MappedWeights, release_file, resident_file
     from dspark.sdk.calibration import (
         CannotCalibrate,
@@ -65,6 +67,7 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "calibration": ("dspark.sdk.calibration", None),
     "cost": ("dspark.sdk.cost", None),
     "decoder": ("dspark.sdk.decoder", None),
+    "devices": ("dspark.sdk.devices", None),
     "family": ("dspark.sdk.family", None),
     "hostinfo": ("dspark.host.hostinfo", None),
     "mapped": ("dspark.sdk.mapped", None),
@@ -87,6 +90,8 @@ _NAMES: dict[str, tuple[str, str | None]] = {
     "resident_file": ("dspark.sdk.mapped", "resident_file"),
     # host facts
     "cpu_benchmark_lock": ("dspark.host.hostinfo", "cpu_benchmark_lock"),
+    "cached_devices": ("dspark.sdk.devices", "cached_devices"),
+    "store_devices": ("dspark.sdk.devices", "store_devices"),
     # quantization
     "QuantizedWeight": ("dspark.sdk.quant", "QuantizedWeight"),
     "dequantize": ("dspark.sdk.quant", "dequantize"),
@@ -118,8 +123,11 @@ __all__ = [
     "calibration_enabled",
     "cost",
     "decoder",
+    "devices",
     "family",
     "cpu_benchmark_lock",
+    "cached_devices",
+    "store_devices",
     "dequantize",
     "estimate",
     "get_logger",
