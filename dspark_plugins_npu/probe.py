@@ -5,9 +5,9 @@ usable when a session on a one-node model really runs on it. Usable EPs
 become :class:`~dspark.types.Device` records, the others
 :class:`~dspark.types.Unavailable` with the reason.
 
-The list is kept in :mod:`dspark.host.cache` under a snapshot of what it depends on, read without
-importing ONNX Runtime (:func:`snapshot_key`), and reused while that is unchanged: importing ONNX Runtime
-and trying its providers adds about 30 MB to a process that then runs its model elsewhere.
+The list is kept in the disk cache (:mod:`dspark.sdk.devices`) under a snapshot of what it depends on,
+read without importing ONNX Runtime (:func:`snapshot_key`), and reused while that is unchanged: importing
+ONNX Runtime and trying its providers would add tens of MB to a process that then runs its model elsewhere.
 """
 
 from __future__ import annotations

@@ -45,6 +45,16 @@ def test_a_batch_size_without_a_measured_run_is_explored_after_some_proposals() 
     assert y.explore() == 0 and y.ran[5] == 5.0
 
 
+def test_a_larger_batchs_plain_decoding_bounds_a_smaller_ones_from_below() -> None:
+    y = Yields()
+    y.run(8, tokens=80, ms=20.0, steps=10)  # 4 tokens a ms at 8 sequences: at least 2 a ms at 4
+    y.proposal(4, tokens=5, ms=5.0)  # 1 a ms: less than plain decoding can yield at 4, without measuring it there
+    assert y.owed == 2
+    y.run(4, tokens=8, ms=2.0, steps=2)
+    y.proposal(6, tokens=20, ms=5.0)  # 4 a ms: above the bound (3 a ms) from 8 sequences; 4 says nothing of 6
+    assert y.owed == 0 and 6 not in y.ran
+
+
 def test_a_lone_sequence_is_not_weighed_here() -> None:
     y = Yields()
     y.run(1, tokens=10, ms=1.0, steps=10)

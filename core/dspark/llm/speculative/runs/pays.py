@@ -8,7 +8,9 @@ stretch, while the few tokens its drafts add cost more than the per-step work th
 yield is measured as the engine sustains it, tokens appended per millisecond of engine step (scheduling,
 drafting, forward, verification, output), by the batch's size: proposal steps, and greedy runs or, where no
 run can go (a request waiting, a decoder without runs), plain steps. While proposals yield less, they back
-off: 2, 4, 8, ... 32 plain steps are owed before the next one; one that yields more ends it.
+off: 2, 4, 8, ... 32 plain steps are owed before the next one; one that yields more ends it. Where plain
+decoding was not measured at the batch's size, a larger batch's bounds it from below (a step of fewer rows
+is no slower); with no bound either, a short run measures it after a few proposals.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Yields:
         self.since_run += 1
         _mix(self.proposed, seqs, tokens / max(ms, 1e-6))
         ran = self.ran.get(seqs)
+        if ran is None:  # a larger batch's plain decoding bounds it from below: a step of fewer rows is no slower
+            bigger = min((b for b in self.ran if b > seqs), default=None)
+            ran = None if bigger is None else self.ran[bigger] * seqs / bigger
         self.backoff = self.backoff + 1 if ran is not None and self.proposed[seqs] < ran else 0
         self.owed = 2 ** min(self.backoff, MAX_DOUBLINGS) if self.backoff else 0
 
