@@ -51,7 +51,7 @@ def verify_cost(llm: LLM, ks: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32), block: 
     runner, cache = llm.engine.runner, llm.engine.cache
     runner.step(cache, [SeqChunk("cost", list(range(5, 305)))])
     times: dict[int, list[float]] = {k: [] for k in ks}
-    first: list[float] = []
+    first: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(rounds):
         for k in ks:
             for i in range(block):
@@ -60,16 +60,17 @@ def verify_cost(llm: LLM, ks: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32), block: 
                 dt = (time.perf_counter() - t0) * 1e3
                 cache.truncate("cost", 1 + k)
                 if i == 0:
-                    first.append(dt / max(statistics.median(times[k] or [dt]), 1e-9))
+                    first[k].append(dt)
                 elif i >= 2:
                     times[k].append(dt)
     cache.free("cost")
     med = {k: statistics.median(v) for k, v in times.items()}
+    changed = statistics.median(t / med[k] for k in ks for t in first[k])
     drafted = [k for k in ks if k > 0]
     slope, icpt = np.polyfit(drafted, [med[k] for k in drafted], 1)
     print("verify ms by drafted tokens k: " + ", ".join(f"k={k}: {med[k]:.3f}" for k in ks)
           + f"; fitted {icpt:.3f} + {slope:.4f} k; a step after a change of shape: "
-          f"{statistics.median(first):.2f}x its settled time")
+          f"{changed:.2f}x its settled time")
     return med[0], float(icpt), float(slope)
 
 

@@ -296,8 +296,7 @@ class DecoderRunner:
             self._no_end_run.add(target.label)
             reason = f"end_run: {type(exc).__name__}: {exc}"
             log.error("llm.decoder.end_run_failed", target=target.label, reason=reason)
-            if self.host is not None and target.plugin is not None:
-                self.host.charge(target.plugin, "decoder.end_run", reason, device=target.device_id)
+            self._charge(target.plugin, "decoder.end_run", reason, target.device_id)
 
     def offers_greedy_steps(self) -> bool:
         """The current target runs greedy runs (API 1.13); a paged one not while LongRoPE may switch modes
@@ -372,12 +371,16 @@ class DecoderRunner:
             have.extend(ch.token_ids)
 
     # -- failover -------------------------------------------------------------------------------
+    def _charge(self, plugin: str | None, hook: str, reason: str, device: str | None) -> None:
+        """A plugin's fault, charged to it on the engine's plugin host (none: a runner built without one)."""
+        if self.host is not None and plugin is not None:
+            self.host.charge(plugin, hook, reason, device=device)
+
     def _failover(self, failed: Target, reason: str) -> None:
         i = self.targets.index(failed)
         part = getattr(failed.compiled, "failed_part", None)  # a chain of ranges: the range that failed
         plugin, device = (part.plugin, part.device.id) if part is not None else (failed.plugin, failed.device_id)
-        if self.host is not None and plugin is not None:
-            self.host.charge(plugin, "decoder.step", reason, device=device)
+        self._charge(plugin, "decoder.step", reason, device)
         t0 = time.perf_counter()
         nxt = self.targets[i + 1]
         while not nxt.is_reference:  # a target held uncompiled is compiled now; one that cannot is passed over
@@ -387,8 +390,7 @@ class DecoderRunner:
             except Exception as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 log.error("llm.decoder.failover_compile", target=nxt.label, reason=why)
-                if self.host is not None and nxt.plugin is not None:
-                    self.host.charge(nxt.plugin, "dspark_compile_decoder", why, device=nxt.device_id)
+                self._charge(nxt.plugin, "dspark_compile_decoder", why, nxt.device_id)
                 i += 1
                 nxt = self.targets[i + 1]
         log.error("llm.decoder.failover", failed=failed.label, reason=reason, next=nxt.label)
