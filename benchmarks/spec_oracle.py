@@ -123,8 +123,8 @@ def main() -> None:
     tot: dict[str, dict[str, list[float]]] = {w: {p: [0, 0.0, 0] for p in ["plain", *policies]} for w in WORKLOADS}
     for w in WORKLOADS:
         for prompt in work[w]:
-            ids = llm.generate([prompt], SamplingParams(max_tokens=args.out, temperature=0.0, ignore_eos=True))[0]
-            ids = ids.token_ids
+            sp = SamplingParams(max_tokens=args.out, temperature=0.0, ignore_eos=True)
+            ids = llm.generate([prompt], sp)[0].token_ids
             for pol in ["plain", *policies]:
                 t, ms, steps = 0, 0.0, 0
                 while t < len(ids):
