@@ -30,8 +30,9 @@ Workloads (``--only``):
            embedded model only (the random model has no draft)
 
 Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_batch``, dspark's torch
-threads, which the llamacpp plugin's contexts take), f32 KV cache and flash attention off (the plugin's
-settings, needed for its greedy parity with the torch runner; llama-server ``-ctk f32 -ctv f32 -fa off``),
+threads, which the llamacpp plugin's contexts take), the KV cache in the dtype dspark computes the file in
+(the plugin's and the ``cpu`` plugin's setting: f32 or bf16; llama-server ``-ctk``/``-ctv`` the same) and
+flash attention off (the plugin's setting; llama-server ``-fa off``),
 greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
 engines of up to 8 sequences, on AMX CPUs for every engine where its AMX probe passes (the plugin's
 README), llama.cpp alone as the plugin would for one sequence,
@@ -220,7 +221,7 @@ def child_llamacpp_single(spec: dict[str, Any]) -> dict[str, Any]:
     cp = C.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 1024, 512, 512, 1
     cp.n_threads = cp.n_threads_batch = spec["threads"]
-    cp.type_k = cp.type_v = C.GGML_TYPE_F32
+    cp.type_k = cp.type_v = KV_TYPES[spec["kv_dtype"]][1]
     cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = C.llama_init_from_model(model, cp)
     mem = C.llama_get_memory(ctx)
@@ -266,10 +267,21 @@ def _vmhwm_mb(pid: int) -> float | None:
 DECODE_RUN_MS: float | None = None  # --decode-run-ms
 BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
 DTYPE = "auto"  # --dtype: dspark's dtype (serve's model.dtype; the engine's one at a time)
+KV_TYPES = {"float32": ("f32", 0), "bfloat16": ("bf16", 30), "float16": ("f16", 1)}  # llama.cpp's name, ggml type
+
+
+def kv_dtype(file: str) -> str:
+    """The dtype dspark computes ``file`` in under ``--dtype`` (the engine's rule for a GGUF file), which the
+    llamacpp and cpu plugins hold K and V in: llama.cpp alone and llama-server are given the same."""
+    from dspark.llm.gguf import block_types, load_gguf, tensor_dtype
+
+    g = load_gguf(file, tensors=False)
+    return str(tensor_dtype(g.cfg, DTYPE, blocks=block_types(g.stored))).removeprefix("torch.")
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
-def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) -> tuple[subprocess.Popen[bytes], int, str]:
+def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool,
+                  kv: str = "float32") -> tuple[subprocess.Popen[bytes], int, str]:
     port = _free_port()
     if kind == "dspark":
         cfg = {"model": {"path": file, "name": "m", "dtype": DTYPE},
@@ -288,11 +300,12 @@ def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool) ->
     else:
         binary = OUT / "server-build" / "bin" / "llama-server"
         cmd = [str(binary), "-m", file, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
-               str(threads), "-c", str(1024 * batch), "-np", str(batch), "-ctk", "f32", "-ctv", "f32", "-fa", "off",
+               str(threads), "-c", str(1024 * batch), "-np", str(batch), "-ctk", KV_TYPES[kv][0], "-ctv",
+               KV_TYPES[kv][0], "-fa", "off",
                "-b", "512", "-ub", "512", "--no-webui"] + ([] if REPACK else ["--no-repack"])
         if spec:
             cmd += ["-md", str(FILES / DRAFT), "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
-                    "--spec-draft-n-min", "0", "-ctkd", "f32", "-ctvd", "f32"]
+                    "--spec-draft-n-min", "0", "-ctkd", KV_TYPES[kv][0], "-ctvd", KV_TYPES[kv][0]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(OUT / f"server-{kind}-{port}.log", "wb"))
     return proc, port, "/health"
 
@@ -386,9 +399,9 @@ async def _timed(port: int, warm: list[list[int]], ps: list[list[int]], new: int
 
 
 def run_server_contender(kind: str, file: str, ps: list[list[int]], new: int, batch: int, threads: int,
-                         spec: bool, warm: list[list[int]]) -> dict[str, Any]:
+                         spec: bool, warm: list[list[int]], kv: str = "float32") -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc, port, health = _start_server(kind, file, batch, threads, spec)
+    proc, port, health = _start_server(kind, file, batch, threads, spec, kv)
     try:
         asyncio.run(_wait_ready(port, health, proc))
         load = time.perf_counter() - t0
@@ -468,6 +481,7 @@ def main() -> None:
             ps, warm, new = prompts(w, args.quick)
             for m in (["embedded-bf16"] if w == "spec" else models):
                 file = str(FILES / ROWS[m])
+                kv = kv_dtype(file)
                 key = f"{w}/{m}"
                 sides = ["dspark", "llamacpp" if w == "single" else "llama-server"]
                 if w != "single" and not have_server:
@@ -475,13 +489,14 @@ def main() -> None:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     if w == "single":
                         res = run_child(side, {"file": file, "prompts": ps, "warm": warm[0], "new": new,
-                                               "threads": args.threads, "extra_bufts": extra, "dtype": DTYPE})
+                                               "threads": args.threads, "extra_bufts": extra, "dtype": DTYPE,
+                                               "kv_dtype": kv})
                     else:
                         batch = 1 if w == "spec" else int(w.removeprefix("serve"))
                         res = run_server_contender("dspark" if side == "dspark" else "llama", file, ps, new, batch,
-                                                   args.threads, w == "spec", warm[:4])
+                                                   args.threads, w == "spec", warm[:4], kv)
                     results.setdefault(key, {}).setdefault(side, []).append(res)
-                    print(f"round {r + 1} {key} {side}: " + ", ".join(
+                    print(f"round {r + 1} {key} {side} (KV {kv}): " + ", ".join(
                         f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()
                         if k not in ("tokens",)), flush=True)
     report(results)

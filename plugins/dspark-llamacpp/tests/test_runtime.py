@@ -31,11 +31,11 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf")
 
 
-def _spec(path: Path, layers: tuple[int, int] = (0, LAYERS)) -> DecoderSpec:
+def _spec(path: Path, layers: tuple[int, int] = (0, LAYERS), dtype: str = "float32") -> DecoderSpec:
     return DecoderSpec(name=path.name, path=str(path), fingerprint="tiny", architecture="llama", vocab_size=VOCAB,
                        hidden_size=HIDDEN, intermediate_size=FF, num_layers=LAYERS, num_heads=HEADS,
                        num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-5, max_position_embeddings=256,
-                       features=frozenset(), dtype="float32", layers=layers, threads=1, max_num_tokens=64)
+                       features=frozenset(), dtype=dtype, layers=layers, threads=1, max_num_tokens=64)
 
 
 def _device() -> Device:
@@ -192,6 +192,34 @@ def test_the_compiled_decoder_applies_drops_then_rows(gguf_file: Path) -> None:
     assert set(kv.slots) == {7}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_k_and_v_are_held_in_the_engines_dtype(gguf_file: Path, dtype: str) -> None:
+    # A half-precision engine's cache takes half a float32 one's bytes: the bid says so, and a sequence's
+    # state (its K and V cells, as llama.cpp saves them) is half as large for the same tokens.
+    dev = _device()
+    sizes = {}
+    for dt in ("float32", dtype):
+        bid = plugin.dspark_decoder_bid(_spec(gguf_file, dtype=dt), dev)
+        assert bid is not None and bid.kv_dtype == dt
+        dec = plugin.dspark_compile_decoder(_spec(gguf_file, dtype=dt), dev)
+        assert dec is not None and dec.kv_bytes_per_token == bid.kv_bytes_per_token
+        kv = dec.allocate(128, 1)
+        assert kv.kv_dtype == dt
+        toks = list(range(3, 43))
+        logits = dec.step(kv, SeqBatch(seq_ids=np.zeros(40, np.int64), input_ids=np.asarray(toks),
+                                       positions=np.arange(40), logit_rows=np.asarray([39]), drops=[]))
+        assert np.isfinite(logits).all()
+        sizes[dt] = (bid.kv_bytes_per_token, runtime.C.llama_state_seq_get_size(kv.ptr, kv.slot(0)))
+    assert sizes[dtype][0] * 2 == sizes["float32"][0]
+    kv_f32 = 40 * sizes["float32"][0]  # the K and V bytes of 40 tokens at float32
+    assert sizes["float32"][1] - sizes[dtype][1] == pytest.approx(kv_f32 / 2, rel=0.05), sizes
+
+
+def test_an_unknown_kv_dtype_is_an_error_that_names_it(gguf_file: Path) -> None:
+    with pytest.raises(ValueError, match="'int4'"):
+        runtime.Context(runtime.Model(gguf_file), n_ctx=64, n_seq_max=1, n_batch=16, threads=1, kv_dtype="int4")
+
+
 def test_many_sequences_get_a_cache_each_within_the_budget(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One shared cache makes every row attend over every sequence's cells: a cache per sequence is taken
     # while it costs at most KV_SPLIT_BUDGET times the engine's budget, and forced either way by the setting.
@@ -206,7 +234,7 @@ def test_many_sequences_get_a_cache_each_within_the_budget(gguf_file: Path, monk
 
 
 def test_a_cache_per_sequence_is_taken_only_where_the_memory_is_there() -> None:
-    # The 0.5B file (20 layers, 4 KV heads of 128: 80 KiB of f32 K/V a token) at 32 sequences of 1,024 tokens
+    # The 0.5B file (20 layers, 4 KV heads of 128: 80 KiB of float32 K/V a token) at 32 sequences of 1,024 tokens
     # against an engine budget of 8,192 tokens: a cache per sequence is 2.5 GiB, four times the budget.
     per_token = 2 * 20 * 4 * 128 * 4
     assert plugin.split_fits(32 * 1024, 8192, per_token, 23 << 30)  # a 23 GB machine: the faster layout

@@ -133,9 +133,9 @@ def test_a_failing_llamacpp_decoder_moves_to_torch_and_loses_no_request() -> Non
     assert fault is not None and fault.hook == "decoder.step" and "llama.cpp aborted" in fault.reason
 
 
-def _llamacpp_alone(path: Path, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from llama.cpp driven directly (one sequence, f32 KV), no engine."""
-    ctx = lrt.Context(lrt.Model(path), n_ctx=256, n_seq_max=1, n_batch=64, threads=2)
+def _llamacpp_alone(path: Path, prompt: list[int], n: int, kv_dtype: str = "float32") -> list[int]:
+    """Greedy tokens from llama.cpp driven directly (one sequence, K and V in ``kv_dtype``), no engine."""
+    ctx = lrt.Context(lrt.Model(path), n_ctx=256, n_seq_max=1, n_batch=64, threads=2, kv_dtype=kv_dtype)
     toks = list(prompt)
     logits = ctx.decode(np.zeros(len(toks), np.int64), np.asarray(toks), np.arange(len(toks)),
                         np.eye(1, len(toks), len(toks) - 1, dtype=np.int8)[0])
@@ -148,12 +148,18 @@ def _llamacpp_alone(path: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "q8_0", "q4_k_m"])
-def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict[str, Path], kind: str) -> None:
+@pytest.mark.parametrize(("kind", "dtype"), [("f32", "auto"), ("bf16", "auto"), ("q8_0", "auto"),
+                                             ("q4_k_m", "auto"), ("q4_k_m", "bfloat16")])
+def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict[str, Path], kind: str,
+                                                                     dtype: str) -> None:
     # A BF16 file computes in bfloat16 on llama.cpp whatever dtype the engine holds it in: its bid says so and
-    # the probe allows bfloat16's rounding (an exact float32 tolerance declined it).
+    # the probe allows bfloat16's rounding (an exact float32 tolerance declined it). K and V are held in the
+    # engine's dtype, so llama.cpp alone holds them in the same one.
     path = ggufs[kind]
-    e = LLMEngine.from_model(path, decoder="llamacpp", max_batch_size=4)
+    e = LLMEngine.from_model(path, dtype=dtype, decoder="llamacpp", max_batch_size=4)
+    kv_dtype = str(e.runner.dtype).removeprefix("torch.")
+    assert e.runner.current.compiled.kv_dtype == kv_dtype
+    assert kv_dtype == ("bfloat16" if dtype == "bfloat16" or kind == "bf16" else "float32")  # this file's "auto"
     c = e.decoder_choice
     assert c is not None and c.chosen == "llamacpp@cpu" and not c.declined, c
     note = next(r.get("note", "") for r in c.ranked if r["label"] == "llamacpp@cpu")
@@ -166,7 +172,7 @@ def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict
     while e.has_unfinished():
         got.update({o.request_id: o.token_ids for o in e.step() if o.finished})
     for i, p in enumerate(prompts):
-        assert got[str(i)] == _llamacpp_alone(path, p, 24), f"prompt {i}"
+        assert got[str(i)] == _llamacpp_alone(path, p, 24, kv_dtype), f"prompt {i}"
 
 
 def test_a_quantized_gguf_holds_its_weights_once_on_llamacpp(ggufs: dict[str, Path]) -> None:

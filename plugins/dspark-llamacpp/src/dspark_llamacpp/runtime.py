@@ -28,6 +28,9 @@ _lock = threading.Lock()
 _ready = False
 _LOG_CB: Any = None  # kept alive: llama.cpp calls it from C
 
+# ggml's type for each K/V dtype the engine computes in (ggml.h: GGML_TYPE_BF16 is 30; the bindings lack it).
+KV_TYPES = {"float32": C.GGML_TYPE_F32, "float16": C.GGML_TYPE_F16, "bfloat16": 30}
+
 # What the runtime's log says about a load that failed, kept for the error message.
 _last_errors: list[str] = []
 
@@ -159,9 +162,12 @@ class Context:
     """One KV store over a :class:`Model`: ``n_ctx`` cells for up to ``n_seq_max`` sequences."""
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int, threads: int,
-                 kv_type: int = C.GGML_TYPE_F32, flash_attn: bool = False, unified: bool = True) -> None:
+                 kv_dtype: str = "float32", flash_attn: bool = False, unified: bool = True) -> None:
         """``unified``: one cache of ``n_ctx`` cells shared by every sequence (each row's attention then spans
-        every used cell, masked); else ``n_ctx / n_seq_max`` cells per sequence, each attending to its own."""
+        every used cell, masked); else ``n_ctx / n_seq_max`` cells per sequence, each attending to its own.
+        ``kv_dtype``: what K and V are held in (``KV_TYPES``)."""
+        if kv_dtype not in KV_TYPES:
+            raise ValueError(f"llama.cpp holds K and V in one of {sorted(KV_TYPES)}, not {kv_dtype!r}")
         self.model = model  # keeps the model alive as long as a context uses it
         p = C.llama_context_default_params()
         p.n_ctx = n_ctx
@@ -170,7 +176,7 @@ class Context:
         p.n_seq_max = n_seq_max
         p.kv_unified = unified
         p.n_threads = p.n_threads_batch = threads
-        p.type_k = p.type_v = kv_type
+        p.type_k = p.type_v = KV_TYPES[kv_dtype]
         p.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
         _last_errors.clear()
@@ -187,6 +193,7 @@ class Context:
         C.llama_set_abort_callback(ctx, _ABORT, ctypes.addressof(self._abort))
         self.mem = C.llama_get_memory(ctx)
         self.n_ctx = int(C.llama_n_ctx(ctx))
+        self.kv_dtype = kv_dtype
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
         self.n_vocab = model.n_vocab
