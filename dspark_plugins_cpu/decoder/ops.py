@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 _HALF = {"bfloat16": "bf16", "float16": "f16"}  # numpy dtype name of a stored weight -> OpenVINO type
 _TYPES = {**_HALF, "float32": "f32"}
-LAYOUT = 1  # the weights' layout in the graph (a store's cache key): bump when it changes
+LAYOUT = 2  # the weights' layout in the graph (a store's cache key): bump when it changes (2: GGUF blocks mapped)
 _DECOMPRESSION = "decompression_0"  # rt_info key OpenVINO's Decompression attribute is stored under
 PA_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
 I64 = np.int64
@@ -137,19 +137,30 @@ class OpenVINOOps:
         return o.multiply(o.divide(x, o.sqrt(o.add(var, self.const(eps)))), self.const(weight))
 
     def _int_constant(self, values: np.ndarray, kind: Any) -> Any:
-        """An integer weight constant of ``kind`` from one value a byte; 4-bit kinds (u4, i4) packed here two a
-        byte, low nibble first, as OpenVINO stores them (its ``constant(..., dtype=u4)`` goes through a Python
-        list of every value: most of a 0.5B file's load)."""
+        """An integer weight constant of ``kind`` (u4, i4, u8, i8) from one value a byte; 4-bit kinds packed here
+        two a byte, low nibble first, as OpenVINO stores them (its ``constant(..., dtype=u4)`` goes through a
+        Python list of every value: most of a 0.5B file's load). With a store, over its mapping (the pages
+        dropped once OpenVINO has packed them), as the float weights are."""
         ov = self.ov
-        if kind not in (ov.Type.u4, ov.Type.i4):
-            return self.o.constant(values, dtype=kind)
-        one_byte = np.uint8 if kind == ov.Type.u4 else np.int8
-        flat = np.ascontiguousarray(values, dtype=one_byte).reshape(-1).view(np.uint8)
-        if flat.size % 2:
-            flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-        tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))  # owns its bytes: read again after compile_model
-        tensor.data[:] = ((flat[0::2] & 15) | (flat[1::2] << 4)).view(tensor.data.dtype).reshape(tensor.data.shape)
+        four = kind in (ov.Type.u4, ov.Type.i4)
+        one_byte = np.uint8 if kind in (ov.Type.u4, ov.Type.u8) else np.int8
+        flat = np.ascontiguousarray(values, dtype=one_byte).reshape(-1)
+        if four:
+            flat = flat.view(np.uint8)
+            if flat.size % 2:
+                flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+            flat = (flat[0::2] & 15) | (flat[1::2] << 4)
+        shape = ov.Shape(list(values.shape))
+        if self.store is not None:
+            return ov.op.Constant(ov.Tensor(self.store.add(flat), shape, kind), shared_memory=True)
+        tensor = ov.Tensor(kind, shape)  # owns its bytes: read again after compile_model
+        tensor.data[:] = flat.view(tensor.data.dtype).reshape(tensor.data.shape)
         return self.o.constant(tensor)
+
+    def _block_const(self, a: np.ndarray) -> Any:
+        """A float32 constant of a GGUF weight's scales or zero points: over the store's mapping where there is
+        one, as the weight's integers are (a 4-bit weight's scales are a quarter of its bytes)."""
+        return self._stored(np.asarray(a, dtype=np.float32)) if self.store is not None else self.const(a)
 
     def _compressed(self, w: np.ndarray, q: QuantSpec) -> Any:
         """``w`` [in, out] quantized as the canonical rounding does (dspark.sdk.quant), as the weight-compression
@@ -184,10 +195,12 @@ class OpenVINOOps:
         if part.is_float:
             return o.convert(o.gather(self._stored(np.ascontiguousarray(part.values())), ids, axis), "f32")
         u = part.unpack()
-        rows = o.convert(o.gather(o.constant(u.q, dtype=ov.Type.i8 if u.bits == 8 else ov.Type.u8), ids, axis), "f32")
+        rows = o.convert(o.gather(self._int_constant(u.q, ov.Type.i8 if u.bits == 8 else ov.Type.u8), ids, axis),
+                         "f32")
         if u.zero is not None:
-            rows = o.subtract(rows, self.const(u.zero) if u.zero.ndim == 0 else o.gather(self.const(u.zero), ids, axis))
-        rows = o.multiply(rows, o.gather(self.const(u.scale), ids, axis))
+            rows = o.subtract(rows, self.const(u.zero) if u.zero.ndim == 0
+                              else o.gather(self._block_const(u.zero), ids, axis))
+        rows = o.multiply(rows, o.gather(self._block_const(u.scale), ids, axis))
         return o.reshape(rows, self.const([-1, part.cols], I64), False)
 
     def _block_matmul(self, x: Any, parts: list[BlockPart]) -> Any:
@@ -203,7 +216,8 @@ class OpenVINOOps:
         n, groups, g = low.shape[0], low.shape[1], parts[0].group
         y = o.matmul(x, self._blocks(parts, [replace(u, zero=None) for u in us]), transpose_a=False, transpose_b=True)
         sums = o.reduce_sum(o.reshape(x, self.const([-1, groups, g], I64), False), self.const([2], I64), False)
-        return o.subtract(y, o.matmul(sums, self.const(low.reshape(n, groups)), transpose_a=False, transpose_b=True))
+        return o.subtract(y, o.matmul(sums, self._block_const(low.reshape(n, groups)), transpose_a=False,
+                                      transpose_b=True))
 
     def _blocks(self, parts: list[BlockPart], us: list[Unpacked] | None = None) -> Any:
         """Parts of one GGUF block type (or one float part) as one weight ``[out, in]``: the blocks unpacked
@@ -221,8 +235,8 @@ class OpenVINOOps:
         zeros = [u.zero for u in us]
         if zeros[0] is not None:
             zero = zeros[0] if zeros[0].ndim == 0 else np.concatenate(zeros)  # type: ignore[arg-type]
-            w = o.subtract(w, self.const(zero))
-        w = o.multiply(w, self.const(us[0].scale if len(us) == 1 else np.concatenate([u.scale for u in us])))
+            w = o.subtract(w, self.const(zero) if zero.ndim == 0 else self._block_const(zero))
+        w = o.multiply(w, self._block_const(us[0].scale if len(us) == 1 else np.concatenate([u.scale for u in us])))
         return o.reshape(w, self.const([n, groups * g], I64), False)
 
     def linear(self, x: Any, weight: np.ndarray | BlockWeight, bias: np.ndarray | None, quant: QuantSpec | None,
