@@ -150,9 +150,10 @@ class OpenVINODecoder:
         self._kv_type = self.compiled.input(f"key_cache.{spec.layers[0]}").get_element_type()
 
     def _store(self) -> MappedWeights | None:
-        """The file the weights' constants map (held once: OpenVINO's packed copy, the mapped pages dropped
-        after the first steps); None where mapping saves nothing or the plan quantizes (its own constants)."""
-        if not mapped.usable() or self.spec.quantization:
+        """The file the weights' constants map, a quantization plan's integers and scales too (held once:
+        OpenVINO's packed copy, the mapped pages dropped after the first steps); None where mapping saves
+        nothing. The spec's fingerprint covers the plan."""
+        if not mapped.usable():
             return None
         key = {"fingerprint": self.spec.fingerprint, "layers": list(self.spec.layers), "head": self.spec.last,
                "dtype": self.spec.dtype, "layout": decoder_ops.LAYOUT, "openvino": runtime.version()}

@@ -118,9 +118,9 @@ class OpenVINOOps:
         from dspark.sdk import quantize_weight
 
         qe = quantize_weight(np.asarray(table.T, dtype=np.float32), quant)  # [hidden, vocab], scales [1, vocab]
-        rows = self.o.gather(self.o.constant(np.ascontiguousarray(qe.data.T), dtype=self.ov.Type.i8), ids,
+        rows = self.o.gather(self._int_constant(np.ascontiguousarray(qe.data.T), self.ov.Type.i8), ids,
                              self.const(0, I64))
-        scale = self.o.gather(self.const(np.ascontiguousarray(qe.scales.T)), ids, self.const(0, I64))
+        scale = self.o.gather(self._scales(np.ascontiguousarray(qe.scales.T)), ids, self.const(0, I64))
         return self.o.multiply(self.o.convert(rows, "f32"), scale)
 
     def hidden_in(self) -> Any:
@@ -157,9 +157,10 @@ class OpenVINOOps:
         tensor.data[:] = flat.view(tensor.data.dtype).reshape(tensor.data.shape)
         return self.o.constant(tensor)
 
-    def _block_const(self, a: np.ndarray) -> Any:
-        """A float32 constant of a GGUF weight's scales or zero points: over the store's mapping where there is
-        one, as the weight's integers are (a 4-bit weight's scales are a quarter of its bytes)."""
+    def _scales(self, a: np.ndarray) -> Any:
+        """A float32 constant of a compressed weight's scales or zero points (a GGUF file's blocks, a quantization
+        plan's): over the store's mapping where there is one, as the weight's integers are (a 4-bit weight's
+        scales are a quarter of its bytes)."""
         return self._stored(np.asarray(a, dtype=np.float32)) if self.store is not None else self.const(a)
 
     def _compressed(self, w: np.ndarray, q: QuantSpec) -> Any:
@@ -175,12 +176,12 @@ class OpenVINOOps:
         kind = ov.Type.i8 if qw.bits == 8 else ov.Type.i4
         if groups == 1:
             c = self._int_constant(np.ascontiguousarray(vals.T), kind)
-            return o.multiply(o.convert(c, "f32"), self.const(np.ascontiguousarray(qw.scales.T)))
+            return o.multiply(o.convert(c, "f32"), self._scales(np.ascontiguousarray(qw.scales.T)))
         padded = np.zeros((groups * g, n), dtype=np.int8)
         padded[:k] = vals
         blocks = np.ascontiguousarray(padded.reshape(groups, g, n).transpose(2, 0, 1))  # [out, groups, g]
         deq = o.multiply(o.convert(self._int_constant(blocks, kind), "f32"),
-                         self.const(np.ascontiguousarray(qw.scales.T)[:, :, None]))
+                         self._scales(np.ascontiguousarray(qw.scales.T)[:, :, None]))
         flat = o.reshape(deq, self.const([n, groups * g], I64), False)
         if groups * g != k:
             flat = o.slice(flat, self.const([0], I64), self.const([k], I64), self.const([1], I64),
@@ -199,8 +200,8 @@ class OpenVINOOps:
                          "f32")
         if u.zero is not None:
             rows = o.subtract(rows, self.const(u.zero) if u.zero.ndim == 0
-                              else o.gather(self._block_const(u.zero), ids, axis))
-        rows = o.multiply(rows, o.gather(self._block_const(u.scale), ids, axis))
+                              else o.gather(self._scales(u.zero), ids, axis))
+        rows = o.multiply(rows, o.gather(self._scales(u.scale), ids, axis))
         return o.reshape(rows, self.const([-1, part.cols], I64), False)
 
     def _block_matmul(self, x: Any, parts: list[BlockPart]) -> Any:
@@ -216,7 +217,7 @@ class OpenVINOOps:
         n, groups, g = low.shape[0], low.shape[1], parts[0].group
         y = o.matmul(x, self._blocks(parts, [replace(u, zero=None) for u in us]), transpose_a=False, transpose_b=True)
         sums = o.reduce_sum(o.reshape(x, self.const([-1, groups, g], I64), False), self.const([2], I64), False)
-        return o.subtract(y, o.matmul(sums, self._block_const(low.reshape(n, groups)), transpose_a=False,
+        return o.subtract(y, o.matmul(sums, self._scales(low.reshape(n, groups)), transpose_a=False,
                                       transpose_b=True))
 
     def _blocks(self, parts: list[BlockPart], us: list[Unpacked] | None = None) -> Any:
@@ -235,8 +236,8 @@ class OpenVINOOps:
         zeros = [u.zero for u in us]
         if zeros[0] is not None:
             zero = zeros[0] if zeros[0].ndim == 0 else np.concatenate(zeros)  # type: ignore[arg-type]
-            w = o.subtract(w, self.const(zero) if zero.ndim == 0 else self._block_const(zero))
-        w = o.multiply(w, self._block_const(us[0].scale if len(us) == 1 else np.concatenate([u.scale for u in us])))
+            w = o.subtract(w, self.const(zero) if zero.ndim == 0 else self._scales(zero))
+        w = o.multiply(w, self._scales(us[0].scale if len(us) == 1 else np.concatenate([u.scale for u in us])))
         return o.reshape(w, self.const([n, groups * g], I64), False)
 
     def linear(self, x: Any, weight: np.ndarray | BlockWeight, bias: np.ndarray | None, quant: QuantSpec | None,
