@@ -24,6 +24,7 @@ from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
+from dspark.sdk import mapped
 
 openvino = pytest.importorskip("openvino")
 from dspark_plugins_cpu import probe as ov_probe  # noqa: E402
@@ -258,6 +259,48 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     assert e.runner.targets[0].compiled is None
 
 
+def test_a_plans_torch_runner_lets_go_and_a_failover_applies_the_same_plan_again(
+        checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once a compiled decoder runs a quantization plan, the torch runner's weights go, and so does the float
+    # checkpoint the target was compiled from (the spec's weights): the weights are held once, by the target.
+    # A failover reads the file again and applies the plan the start measured, not a new calibration.
+    from dspark.llm.decoding.spec import SpecWeights
+    from dspark.llm.quantization import sensitivity
+    from dspark.llm.runner.model import ModelRunner
+
+    path = checkpoint("llama")
+    q = {"method": "int8", "activations": "float", "calibration_samples": 1, "calibration_seq_len": 16}
+    builds: list[int] = []
+    real_build = sensitivity.build_plan
+    monkeypatch.setattr(sensitivity, "build_plan", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    loaded, loads = _watch_loads(monkeypatch)
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
+    faulty = Faulty(fail_at=10**6)
+    host.register(faulty, "faulty")
+    host.load()
+    e = LLMEngine.from_model(path, dtype="float32", decoder="faulty", quantization=q, plugin_host=host,
+                             max_batch_size=4)
+    assert e.stats().decoder == "faulty@cpu" and e.runner.reference.is_weightless, e.decoder_choice
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, ModelRunner) and not o.is_weightless]
+    assert not held and not [w for w in gc.get_objects() if isinstance(w, SpecWeights) and (w.runner or w._float)]
+    faulty.fail_at = faulty.steps + 1  # the first step serving: every token is then the torch runner's
+    got = _run(e, _greedy(16))
+    assert e.stats().decoder == "torch" and e.stats().decoder_failovers == 1
+    assert builds == [1] and loads == [False, False]  # the start's load and calibration; the failover's load
+
+    def tokens(quantization: Any) -> tuple[dict[str, list[int]], list[str]]:
+        torch_host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))  # the same kernels' plugins
+        torch_host.load()
+        eng = LLMEngine.from_model(path, dtype="float32", decoder="torch", quantization=quantization,
+                                   plugin_host=torch_host, max_batch_size=4)
+        return {k: o.token_ids for k, o in _run(eng, _greedy(16)).items()}, [k.plugin for k in eng.quant_kernels]
+
+    (planned, kernels), (plain, _) = tokens(q), tokens(None)
+    assert [k.plugin for k in e.quant_kernels] == kernels
+    assert {k: o.token_ids for k, o in got.items()} == planned != plain  # the plan's tokens, not float's
+
+
 # -- HF checkpoints and quantized plans ---------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["llama_tied_mha", "llama3", "qwen2"])
 def test_hf_checkpoints_run_on_the_target(checkpoint: Any, variant: str) -> None:
@@ -322,6 +365,14 @@ def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: s
             if done:
                 outs.append(done[0].token_ids)
     assert outs[0] == outs[1]
+    if mapped.usable():  # the plan's integers and scales are pages of the disk cache, dropped once OpenVINO packed
+        dec = e.runner.current.compiled
+        s = dec.spec
+        proj = s.num_layers * (s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+                               + s.num_heads * s.head_dim * s.hidden_size + 3 * s.hidden_size * s.intermediate_size)
+        wf = dec.weights_file
+        assert wf is not None and wf.nbytes >= proj * (8 if method == "int8" else 4) // 8, (wf, proj)
+        assert wf.resident() <= wf.nbytes // 2, (wf.resident(), wf.nbytes)
 
 
 # -- a model no single device holds -------------------------------------------------------------------

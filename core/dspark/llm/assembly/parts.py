@@ -218,7 +218,8 @@ class _Builder:
         elif qc is not None and qc.enabled:
             from dspark.llm.quantization.sensitivity import build_plan
 
-            plan = build_plan(runner, self.model_path, qc)
+            # A reload (a failover to the torch runner after it let go) applies the plan the start measured.
+            plan = self.quant_plan or build_plan(runner, self.model_path, qc)
         else:
             return
         if cfg.dense_offload != "off":

@@ -294,10 +294,12 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
     choice = DecoderChoice(first.label, why.format(_beat(first, ranked)), rows, declined,
                            time.perf_counter() - t0)
     _log(choice)
-    if not weightless and not quantization and not runner.is_weightless:
+    if not weightless and not runner.is_weightless:
         # The winner holds the weights in the form it runs: the torch runner's copy goes (when the probe has
         # not let it go already), in place, so every holder of the runner lets go; a failover target compiles
-        # from the file, and the torch runner is read from disk again only if a failover must run it.
+        # from the file, and the torch runner is read from disk again only if a failover must run it (a
+        # quantization plan's: the file read and the same plan applied, ``load_reference``), and so does the
+        # float checkpoint a plan's target was compiled from.
         _let_go(runner, spec, load_reference)
     return DecoderRunner(runner, chain, host=host, max_seqs=cfg.max_batch_size, reference_loader=load_reference), choice
 

@@ -104,8 +104,11 @@ def setup_runner(engine: StartContext, runner: Any) -> StartedRunner:
     page = getattr(runner, "block_size", None) or cfg.page_size
     if getattr(runner, "current", None) is None:  # the torch runner runs the model
         pack_reference(runner)
+    import gc
+
     from dspark.host import hostinfo
 
+    gc.collect()  # a runner's ops refer to it: the probe's reference (a plan's, read for the probe) is a cycle
     hostinfo.return_freed_memory()  # what was let go: the targets timed, the torch runner's weights if one won
     return StartedRunner(runner, packed[0] if packed else "not packed: a compiled decoder runs the model", choice,
                          page)
