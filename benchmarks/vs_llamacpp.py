@@ -30,9 +30,9 @@ Workloads (``--only``):
            embedded model only (the random model has no draft)
 
 Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_batch``, dspark's torch
-threads, which the llamacpp plugin's contexts take), the KV cache in the dtype dspark computes the file in
-(the plugin's and the ``cpu`` plugin's setting: f32 or bf16; llama-server ``-ctk``/``-ctv`` the same) and
-flash attention off (the plugin's setting; llama-server ``-fa off``),
+threads, which the llamacpp plugin's contexts take), the KV cache as the llamacpp plugin holds it for the
+dtype dspark computes the file in (f32 for float32, f16 for bfloat16; llama-server ``-ctk``/``-ctv`` the
+same) and flash attention off (the plugin's setting; llama-server ``-fa off``),
 greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
 engines of up to 8 sequences, on AMX CPUs for every engine where its AMX probe passes (the plugin's
 README), llama.cpp alone as the plugin would for one sequence,
@@ -271,12 +271,14 @@ KV_TYPES = {"float32": ("f32", 0), "bfloat16": ("bf16", 30), "float16": ("f16", 
 
 
 def kv_dtype(file: str) -> str:
-    """The dtype dspark computes ``file`` in under ``--dtype`` (the engine's rule for a GGUF file), which the
-    llamacpp and cpu plugins hold K and V in: llama.cpp alone and llama-server are given the same."""
+    """What the llamacpp plugin holds K and V in for ``file`` under ``--dtype`` (the engine's dtype for a GGUF
+    file: float32, else float16): llama.cpp alone and llama-server are given the same (the cpu plugin holds
+    a bfloat16 engine's in bfloat16, the same bytes)."""
     from dspark.llm.gguf import block_types, load_gguf, tensor_dtype
+    from dspark_llamacpp import kv_dtype as plugin_kv
 
     g = load_gguf(file, tensors=False)
-    return str(tensor_dtype(g.cfg, DTYPE, blocks=block_types(g.stored))).removeprefix("torch.")
+    return plugin_kv(str(tensor_dtype(g.cfg, DTYPE, blocks=block_types(g.stored))).removeprefix("torch."))
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 

@@ -193,18 +193,18 @@ def test_the_compiled_decoder_applies_drops_then_rows(gguf_file: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_k_and_v_are_held_in_the_engines_dtype(gguf_file: Path, dtype: str) -> None:
-    # A half-precision engine's cache takes half a float32 one's bytes: the bid says so, and a sequence's
-    # state (its K and V cells, as llama.cpp saves them) is half as large for the same tokens.
+def test_a_half_precision_engine_holds_k_and_v_in_half_precision(gguf_file: Path, dtype: str) -> None:
+    # A half-precision engine's cache takes half a float32 one's bytes (float16, llama.cpp's own default): the
+    # bid says so, and a sequence's state (its K and V cells, as llama.cpp saves them) is half as large.
     dev = _device()
     sizes = {}
     for dt in ("float32", dtype):
         bid = plugin.dspark_decoder_bid(_spec(gguf_file, dtype=dt), dev)
-        assert bid is not None and bid.kv_dtype == dt
+        assert bid is not None and bid.kv_dtype == ("float32" if dt == "float32" else "float16")
         dec = plugin.dspark_compile_decoder(_spec(gguf_file, dtype=dt), dev)
         assert dec is not None and dec.kv_bytes_per_token == bid.kv_bytes_per_token
         kv = dec.allocate(128, 1)
-        assert kv.kv_dtype == dt
+        assert kv.kv_dtype == bid.kv_dtype
         toks = list(range(3, 43))
         logits = dec.step(kv, SeqBatch(seq_ids=np.zeros(40, np.int64), input_ids=np.asarray(toks),
                                        positions=np.arange(40), logit_rows=np.asarray([39]), drops=[]))

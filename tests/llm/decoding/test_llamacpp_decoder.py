@@ -153,13 +153,14 @@ def _llamacpp_alone(path: Path, prompt: list[int], n: int, kv_dtype: str = "floa
 def test_gguf_files_run_as_stored_with_llamacpp_alones_greedy_tokens(ggufs: dict[str, Path], kind: str,
                                                                      dtype: str) -> None:
     # A BF16 file computes in bfloat16 on llama.cpp whatever dtype the engine holds it in: its bid says so and
-    # the probe allows bfloat16's rounding (an exact float32 tolerance declined it). K and V are held in the
-    # engine's dtype, so llama.cpp alone holds them in the same one.
+    # the probe allows bfloat16's rounding (an exact float32 tolerance declined it). A bfloat16 engine's K and V
+    # are float16, float32's float32: llama.cpp alone holds them in the same type.
     path = ggufs[kind]
     e = LLMEngine.from_model(path, dtype=dtype, decoder="llamacpp", max_batch_size=4)
-    kv_dtype = str(e.runner.dtype).removeprefix("torch.")
-    assert e.runner.current.compiled.kv_dtype == kv_dtype
-    assert kv_dtype == ("bfloat16" if dtype == "bfloat16" or kind == "bf16" else "float32")  # this file's "auto"
+    kv_dtype = e.runner.current.compiled.kv_dtype
+    half = dtype == "bfloat16" or kind == "bf16"  # this file's "auto"
+    assert str(e.runner.dtype) == ("torch.bfloat16" if half else "torch.float32")
+    assert kv_dtype == ("float16" if half else "float32")
     c = e.decoder_choice
     assert c is not None and c.chosen == "llamacpp@cpu" and not c.declined, c
     note = next(r.get("note", "") for r in c.ranked if r["label"] == "llamacpp@cpu")

@@ -155,9 +155,10 @@ def test_openvino_maps_a_files_blocks_from_the_cache_and_lets_them_go_once_packe
         e = LLMEngine.from_model(path, dtype="float32", decoder="cpu", max_batch_size=4)
         assert e.stats().decoder == "cpu@cpu", e.decoder_choice
         out: dict[str, list[int]] = {}
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         for batch in (["a"], ["b", "c"]):  # a step of one row and steps of several: OpenVINO packs for each
             for i, r in enumerate(batch):
-                e.add_request(r, [5, 9, 13, 2, 7][: 3 + i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                e.add_request(r, [5, 9, 13, 2, 7][: 3 + i], greedy)
             while e.has_unfinished():
                 out.update({o.request_id: o.token_ids for o in e.step() if o.finished})
         return e.runner.current.compiled.weights_file, out

@@ -93,7 +93,7 @@ def tensor_dtype(cfg: ModelConfig, dtype: str | torch.dtype, *, blocks: frozense
     file's float type, float32 when anything is quantized). ``"auto"`` for a quantized file (``blocks``: its
     tensors' storage types), which has no float type of its own: bfloat16 on a GPU, and on a CPU with AMX's
     bfloat16 tiles where the file holds 4-bit blocks (:data:`BF16_BLOCKS`; docs/model-sources.md), else
-    float32. llama.cpp computes in float32 whatever the engine's dtype, and holds K and V in it."""
+    float32. llama.cpp computes in float32 whatever the engine's dtype."""
     from dspark.host import hostinfo
     from dspark.llm.runner.loader import resolve_dtype
 

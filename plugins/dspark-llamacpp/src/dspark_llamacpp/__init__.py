@@ -23,7 +23,7 @@ from dspark.sdk import cache, get_logger, hostinfo
 from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
-__version__ = "0.2.0"  # 0.2: K and V in the engine's dtype (cached timings and verdicts redone)
+__version__ = "0.2.0"  # 0.2: K and V in half precision for a half-precision engine (timings and verdicts redone)
 DSPARK_API_VERSION = "1.15"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps; end_run
 
 log = get_logger("dspark_llamacpp")
@@ -80,13 +80,15 @@ def _precision(types: dict[str, int]) -> str:
     return "bfloat16" if "BF16" in types else "float16" if "F16" in types else "float32"
 
 
-# K and V are held in what the engine computes in, as the torch runner's paged cache and the ``cpu`` plugin's
-# hold theirs: float32 logits stay the torch runner's; a half-precision engine's cache takes half the memory.
-KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+def kv_dtype(engine_dtype: str) -> str:
+    """What K and V are held in for an engine computing in ``engine_dtype``: float32 keeps the torch runner's
+    logits; a half-precision engine's cache takes half the memory, as float16 (llama.cpp's own default:
+    bfloat16's bytes with three more mantissa bits, which the embedded model's greedy text needs)."""
+    return "float32" if engine_dtype == "float32" else "float16"
 
 
 def _kv_bytes_per_token(spec: DecoderSpec) -> int:
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * KV_BYTES[spec.dtype]
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (4 if kv_dtype(spec.dtype) == "float32" else 2)
 
 
 @hookimpl
@@ -94,7 +96,7 @@ def dspark_decoder_bid(decoder: DecoderSpec, device: Device) -> DecoderBid | Non
     if device.kind != "cpu":
         return None
     base: dict[str, Any] = {"device_id": device.id, "runtime": device.runtime, "kv": "sequence",
-                            "max_seqs": MAX_SEQS, "kv_dtype": decoder.dtype, "exit_layers": False}
+                            "max_seqs": MAX_SEQS, "kv_dtype": kv_dtype(decoder.dtype), "exit_layers": False}
     if decoder.layers != (0, decoder.num_layers):
         return DecoderBid(**base, declined="llama.cpp runs whole models, not layer ranges")
     if _is_gguf(decoder.path):
@@ -168,7 +170,7 @@ class LlamaDecoder:
         self.vocab = spec.vocab_size
         self.max_len = spec.max_position_embeddings
         self.kv_bytes_per_token = _kv_bytes_per_token(spec)
-        self.kv_dtype = spec.dtype
+        self.kv_dtype = kv_dtype(spec.dtype)
         self._running: Any = None  # the context a step is decoding in (what cancel() stops)
         self._cancel_lock = threading.Lock()
         if model.n_vocab < spec.vocab_size:
