@@ -268,6 +268,7 @@ DECODE_RUN_MS: float | None = None  # --decode-run-ms
 BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
 DTYPE = "auto"  # --dtype: dspark's dtype (serve's model.dtype; the engine's one at a time)
 KV_TYPES = {"float32": ("f32", 0), "bfloat16": ("bf16", 30), "float16": ("f16", 1)}  # llama.cpp's name, ggml type
+RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
 def kv_dtype(file: str) -> str:
@@ -279,7 +280,6 @@ def kv_dtype(file: str) -> str:
 
     g = load_gguf(file, tensors=False)
     return plugin_kv(str(tensor_dtype(g.cfg, DTYPE, blocks=block_types(g.stored))).removeprefix("torch."))
-RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 
 def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool,
