@@ -267,7 +267,7 @@ def _vmhwm_mb(pid: int) -> float | None:
 DECODE_RUN_MS: float | None = None  # --decode-run-ms
 BATCHED_TOKENS: int | None = None  # --max-num-batched-tokens
 DTYPE = "auto"  # --dtype: dspark's dtype (serve's model.dtype; the engine's one at a time)
-KV_TYPES = {"float32": ("f32", 0), "bfloat16": ("bf16", 30), "float16": ("f16", 1)}  # llama.cpp's name, ggml type
+KV_TYPES = {"float32": ("f32", 0), "float16": ("f16", 1)}  # llama.cpp's name and ggml type of a KV dtype
 RETRIES = [0]  # requests sent again after the server closed their connection unanswered (_one)
 
 

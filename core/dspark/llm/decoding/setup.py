@@ -6,6 +6,7 @@ takes the runner back; nothing here writes into the engine.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +105,6 @@ def setup_runner(engine: StartContext, runner: Any) -> StartedRunner:
     page = getattr(runner, "block_size", None) or cfg.page_size
     if getattr(runner, "current", None) is None:  # the torch runner runs the model
         pack_reference(runner)
-    import gc
-
     from dspark.host import hostinfo
 
     gc.collect()  # a runner's ops refer to it: the probe's reference (a plan's, read for the probe) is a cycle

@@ -95,8 +95,7 @@ class Learner(DrafterCalls):
         for h, c in zip(self.handles, snap["draft_costs"]):
             h.cost = c
         self.rate = snap["rate"]
-        if "yields" in snap:  # a snapshot from before the yields were kept has none
-            self.yields.load(snap["yields"])
+        self.yields.load(snap["yields"])
         self._load_drafter_states(drafters)
         if self.controller is not None:
             self.controller = self._make_controller()

@@ -28,8 +28,8 @@ _lock = threading.Lock()
 _ready = False
 _LOG_CB: Any = None  # kept alive: llama.cpp calls it from C
 
-# ggml's type for each K/V dtype the engine computes in (ggml.h: GGML_TYPE_BF16 is 30; the bindings lack it).
-KV_TYPES = {"float32": C.GGML_TYPE_F32, "float16": C.GGML_TYPE_F16, "bfloat16": 30}
+# ggml's type for each dtype K and V may be held in.
+KV_TYPES = {"float32": C.GGML_TYPE_F32, "float16": C.GGML_TYPE_F16}
 
 # What the runtime's log says about a load that failed, kept for the error message.
 _last_errors: list[str] = []
