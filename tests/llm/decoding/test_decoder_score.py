@@ -6,7 +6,7 @@ import pytest
 
 from dspark.llm.decoding.timing import NOMINAL_OUTPUT, NOMINAL_PROMPT, request_ms, score, scores, shapes
 
-SHAPES = shapes(1, 128)  # decode_b1, prefill_128, verify_k8
+SHAPES = shapes(1, 128)  # decode_b1, run_b1, prefill_128, verify_k8
 TORCH = {"decode_b1": 5.0, "prefill_128": 25.0, "verify_k8": 8.0}
 
 
@@ -77,3 +77,17 @@ def test_targets_timed_alone_are_scored_against_the_fastest() -> None:
     got, ref = scores({"a": slow, "b": fast}, [], shapes(1, 128))
     assert ref is None and got["b"] == 1.0 < got["a"]
     assert scores({}, [], SHAPES) == ({}, None)
+
+
+def test_half_of_a_requests_decode_is_priced_at_the_targets_greedy_runs() -> None:
+    # Recorded one-row times of the embedded BF16 file (ms): llama.cpp's steps through the engine 0.92, its runs
+    # 0.64 a step; OpenVINO's 1.00 and 0.86. Half of a nominal request's steps are greedy runs, half plain steps.
+    llama = {"decode_b1": 0.9177, "run_b1": 0.64, "prefill_128": 15.1068, "verify_k8": 2.6363}
+    ov = {"decode_b1": 1.0027, "run_b1": 0.8571, "prefill_128": 8.4998, "verify_k8": 1.6167}
+    assert score(llama, ov, SHAPES) < 1.0
+    plain = {k: v for k, v in llama.items() if k != "run_b1"}  # its steps alone: OpenVINO's prefill wins
+    assert score(plain, ov, SHAPES) > 1.0
+    want = NOMINAL_OUTPUT * (0.9177 + 0.64) / 2 + NOMINAL_PROMPT / 128 * 15.1068
+    assert request_ms(llama, SHAPES) == pytest.approx(want)
+    # a target without runs (the torch runner) is priced at its step alone, against any target's runs
+    assert request_ms(TORCH, SHAPES) == pytest.approx(NOMINAL_OUTPUT * 5.0 + NOMINAL_PROMPT / 128 * 25.0)

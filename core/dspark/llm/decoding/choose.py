@@ -402,7 +402,8 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
             dr = DecoderRunner(runner, [t], step_timeout_s=None, max_seqs=max_seqs)
             bs = 16 if t.keeps_kv else t.compiled.block_size  # type: ignore[union-attr]
             bench = Bench(dr.step, lambda n, dr=dr, bs=bs: dr.make_cache(n, bs), bs, max_seqs=max_seqs,
-                          context=ctx, max_rows=130, vocab=vocab)
+                          context=ctx, max_rows=130, vocab=vocab,
+                          greedy=dr.greedy_steps if dr.offers_greedy_steps() else None)
             hook_threads.retire_idle()  # the compile's leftover OpenMP team (a conversion) would slow what is timed
             benches = {t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}
             timed = time_targets(benches, sl)

@@ -103,7 +103,8 @@ def _time(req: dict[str, object], runner: object, compiled: object, plugin: str,
     cfg = runner.cfg  # type: ignore[attr-defined]
     try:
         bench = Bench(dr.step, lambda n: dr.make_cache(n, bs), bs, max_seqs=max_seqs,
-                      context=min(CONTEXT, cfg.max_position_embeddings - 130), max_rows=130, vocab=cfg.vocab_size)
+                      context=min(CONTEXT, cfg.max_position_embeddings - 130), max_rows=130, vocab=cfg.vocab_size,
+                      greedy=dr.greedy_steps if dr.offers_greedy_steps() else None)
         hook_threads.retire_idle()
         return {"step_ms": time_targets({"t": bench}, sl)["t"]}
     except Exception as exc:

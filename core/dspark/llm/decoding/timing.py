@@ -1,10 +1,12 @@
 """A decoder target timed at the engine's real step shapes.
 
-Shapes: decode at batch 1, 8 and 32 (capped at the engine's batch size), a
-prefill chunk, and a k=8 verification (9 rows, every row's logits), each over
-sequences that already hold ``context`` tokens. Each shape is one step run
-again and again with its KV rolled back in between, so every run sees the same
-context. Targets take turns in settled blocks, shape by shape, and the median is kept.
+Shapes: decode at batch 1, 8 and 32 (capped at the engine's batch size), at
+batch 1 also as a greedy run (:data:`RUN` steps in one call, where the target
+offers runs: what the engine runs while its requests are greedy), a prefill chunk,
+and a k=8 verification (9 rows, every row's logits), each over sequences that
+already hold ``context`` tokens. Each shape is one step (or run) again and
+again with its KV rolled back in between, so every run sees the same context.
+Targets take turns in settled blocks, shape by shape, and the median is kept.
 """
 
 from __future__ import annotations
@@ -26,14 +28,21 @@ class Shape:
     seqs: int
     rows: int  # new tokens per sequence
     all_logits: bool = False
+    run: int = 0  # steps of a greedy run in one call (priced per step); 0: one plain step
 
     @property
     def tokens(self) -> int:
         return self.seqs * self.rows
 
 
+# Steps of a timed greedy run: what a decode budget of a few milliseconds holds of a small model's one-row
+# steps. Only one row is timed as runs: there the engine's work between steps is a share of a step that
+# counts, while a step of 8 or 32 rows takes long enough that open runs are short and save little.
+RUN = 8
+
+
 def shapes(max_batch: int, prefill_chunk: int) -> list[Shape]:
-    out = [Shape("decode_b1", 1, 1)]
+    out = [Shape("decode_b1", 1, 1), Shape("run_b1", 1, 1, run=RUN)]
     for b in (8, 32):
         if b <= max_batch:
             out.append(Shape(f"decode_b{b}", b, 1))
@@ -44,6 +53,9 @@ def shapes(max_batch: int, prefill_chunk: int) -> list[Shape]:
 
 # A step function: (cache, chunks) -> per chunk logits, as ModelRunner.step.
 StepFn = Callable[[PagedKVCache, list[SeqChunk]], list[torch.Tensor]]
+# A greedy run: (cache, one-token chunks, tokens per chunk, stop ids) -> each chunk's tokens, as
+# DecoderRunner.greedy_steps.
+RunFn = Callable[[PagedKVCache, list[SeqChunk], list[int], frozenset[int]], "list[list[int]] | None"]
 
 
 CONTEXT = 128  # tokens each timed sequence holds
@@ -53,8 +65,9 @@ class Bench:
     """One target's cache prepared for every shape: ``seqs`` sequences of ``context`` tokens."""
 
     def __init__(self, step: StepFn, make_cache: Callable[[int], PagedKVCache], page_size: int, *,
-                 max_seqs: int, context: int, max_rows: int, vocab: int) -> None:
+                 max_seqs: int, context: int, max_rows: int, vocab: int, greedy: RunFn | None = None) -> None:
         self.step = step
+        self.greedy = greedy  # None: the target runs no greedy runs (its run shapes are not timed)
         need = max_seqs * (-(-(context + max_rows) // page_size) + 1)
         self.cache = make_cache(need)
         g = torch.Generator().manual_seed(0)
@@ -66,9 +79,24 @@ class Bench:
         self.g = g
         self.vocab = vocab
 
+    def can(self, shape: Shape) -> bool:
+        return not shape.run or self.greedy is not None
+
     def run(self, shape: Shape) -> float:
-        """Seconds for one step of ``shape``; the K/V it wrote is rolled back."""
+        """Seconds for one step of ``shape`` (a run's time over its steps); the K/V it wrote is rolled back."""
         toks = torch.randint(4, self.vocab, (shape.seqs, shape.rows), generator=self.g).tolist()
+        if shape.run:
+            assert self.greedy is not None
+            chunks = [SeqChunk(self.ids[i], toks[i]) for i in range(shape.seqs)]
+            before = {ch.seq_id: self.cache.seq_lens[ch.seq_id] for ch in chunks}
+            t0 = time.perf_counter()
+            got = self.greedy(self.cache, chunks, [shape.run] * shape.seqs, frozenset())
+            dt = time.perf_counter() - t0
+            if got is None:
+                raise RuntimeError("the target offers greedy runs but ran none")
+            for sid, n in before.items():
+                self.cache.truncate(sid, self.cache.seq_lens[sid] - n)
+            return dt / max(1, max(map(len, got)))
         chunks = [SeqChunk(self.ids[i], toks[i], all_logits=shape.all_logits) for i in range(shape.seqs)]
         t0 = time.perf_counter()
         out = self.step(self.cache, chunks)
@@ -82,25 +110,35 @@ class Bench:
 # A runtime's worker threads keep spinning for a while after its step (OpenMP's, TBB's): the next runtime's
 # first steps share the cores with them. Each block of timed steps follows this long of untimed ones.
 SETTLE_S = 0.02
+# The least time a shape's blocks span (more blocks of a fast step, up to MAX_BLOCKS): a runtime's step time
+# moves in phases of a fraction of a second on a shared machine (OpenVINO's one-row step between one and
+# twice its fastest), and a few blocks within tens of milliseconds caught one phase and ranked on it.
+SPAN_S = 0.5
+MAX_BLOCKS = 12
 
 
 def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int = 3,
-                 blocks: int = 3) -> dict[str, dict[str, float]]:
-    """Median ms per step, per target and shape. Targets take turns in blocks (``blocks`` turns of ``reps``
-    timed steps each, after :data:`SETTLE_S` of untimed ones), not step by step: a step timed right after
-    another runtime's ran beside its spinning threads (OpenVINO's decode step at twice its time after each
-    torch step), so a target was ranked on its neighbour's threads rather than its own speed."""
+                 blocks: int = 3, span_s: float = SPAN_S) -> dict[str, dict[str, float]]:
+    """Median ms per step, per target and shape. Targets take turns in blocks (at least ``blocks`` turns of
+    ``reps`` timed steps each, after :data:`SETTLE_S` of untimed ones, more while they span less than
+    ``span_s``), not step by step: a step timed right after another runtime's ran beside its spinning threads
+    (OpenVINO's decode step at twice its time after each torch step), so a target was ranked on its
+    neighbour's threads rather than its own speed."""
     out: dict[str, dict[str, float]] = {k: {} for k in benches}
     for shape in shape_list:
-        samples: dict[str, list[float]] = {k: [] for k in benches}
-        for _ in range(blocks):
+        samples: dict[str, list[float]] = {k: [] for k in benches if benches[k].can(shape)}
+        start, done = time.perf_counter(), 0
+        while done < blocks or (done < MAX_BLOCKS and time.perf_counter() - start < span_s):
+            done += 1
             for k, b in benches.items():
+                if k not in samples:
+                    continue
                 t0 = time.perf_counter()
                 b.run(shape)  # at least one untimed run: first-touch of buffers, kernel selection
                 while time.perf_counter() - t0 < SETTLE_S:
                     b.run(shape)
-                samples[k].extend(b.run(shape) for _ in range(reps))
-        for k in benches:
+                samples[k].extend(b.run(shape) for _ in range(1 if shape.run else reps))  # a run: its steps' mean
+        for k in samples:
             out[k][shape.name] = round(statistics.median(samples[k]) * 1e3, 4)
     return out
 
@@ -111,12 +149,19 @@ def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int =
 NOMINAL_PROMPT, NOMINAL_OUTPUT = 256, 256
 
 
+def decode_ms(step_ms: dict[str, float], shape: Shape) -> float:
+    """A decode step's price: half of a nominal request's steps are greedy, in runs where the target has a time
+    for them (``run_b*``), half sampled, one step each (the torch runner, which runs no runs: its step)."""
+    step = step_ms[shape.name]
+    return (step + step_ms.get("run" + shape.name.removeprefix("decode"), step)) / 2
+
+
 def decode_rate(step_ms: dict[str, float], decode: list[Shape]) -> float:
     """Output tokens per ms over the decode shapes, each given an equal share of the time: the batch follows the
     load, and an engine sized for b sequences at once runs its busy hours near b, where each step gives b
     tokens. An equal share of the tokens instead spends nearly all of the time at one sequence (a one-row step
     costs a token many times what a full step does) and chose a one-row-fast runtime for a server of 32."""
-    return sum(s.seqs / max(step_ms[s.name], 1e-9) for s in decode) / len(decode)
+    return sum(s.seqs / max(decode_ms(step_ms, s), 1e-9) for s in decode) / len(decode)
 
 
 def request_ms(step_ms: dict[str, float], shape_list: list[Shape], speculative: bool = False) -> float:
