@@ -6,7 +6,7 @@ offers runs: what the engine runs while its requests are greedy), a prefill chun
 and a k=8 verification (9 rows, every row's logits), each over sequences that
 already hold ``context`` tokens. Each shape is one step (or run) again and
 again with its KV rolled back in between, so every run sees the same context.
-Targets take turns in settled blocks, shape by shape, and the median is kept.
+Targets take turns in settled blocks, in rounds over the shapes, and the median is kept.
 """
 
 from __future__ import annotations
@@ -110,36 +110,39 @@ class Bench:
 # A runtime's worker threads keep spinning for a while after its step (OpenMP's, TBB's): the next runtime's
 # first steps share the cores with them. Each block of timed steps follows this long of untimed ones.
 SETTLE_S = 0.02
-# The least time a shape's blocks span (more blocks of a fast step, up to MAX_BLOCKS): a runtime's step time
+# The least time the timing spans (more rounds while it spans less, up to MAX_BLOCKS): a runtime's step time
 # moves in phases of a fraction of a second on a shared machine (OpenVINO's one-row step between one and
 # twice its fastest), and a few blocks within tens of milliseconds caught one phase and ranked on it.
-SPAN_S = 0.5
+SPAN_S = 1.5
 MAX_BLOCKS = 12
 
 
 def time_targets(benches: dict[str, Bench], shape_list: list[Shape], reps: int = 3,
                  blocks: int = 3, span_s: float = SPAN_S) -> dict[str, dict[str, float]]:
-    """Median ms per step, per target and shape. Targets take turns in blocks (at least ``blocks`` turns of
-    ``reps`` timed steps each, after :data:`SETTLE_S` of untimed ones, more while they span less than
-    ``span_s``), not step by step: a step timed right after another runtime's ran beside its spinning threads
-    (OpenVINO's decode step at twice its time after each torch step), so a target was ranked on its
-    neighbour's threads rather than its own speed."""
-    out: dict[str, dict[str, float]] = {k: {} for k in benches}
-    for shape in shape_list:
-        samples: dict[str, list[float]] = {k: [] for k in benches if benches[k].can(shape)}
-        start, done = time.perf_counter(), 0
-        while done < blocks or (done < MAX_BLOCKS and time.perf_counter() - start < span_s):
-            done += 1
+    """Median ms per step, per target and shape. The timing goes in rounds, each a block of every shape for
+    every target in turn (``reps`` timed steps after :data:`SETTLE_S` of untimed ones; a run shape, one
+    run), at least ``blocks`` rounds and more while they span less than ``span_s``: each shape's samples
+    spread over the whole timing, not over one phase of the machine. Targets take turns by blocks, not step
+    by step: a step timed right after another runtime's ran beside its spinning threads (OpenVINO's decode
+    step at twice its time after each torch step), so a target was ranked on its neighbour's threads rather
+    than its own speed."""
+    samples: dict[tuple[str, str], list[float]] = {
+        (s.name, k): [] for s in shape_list for k, b in benches.items() if b.can(s)}
+    start, done = time.perf_counter(), 0
+    while done < blocks or (done < MAX_BLOCKS and time.perf_counter() - start < span_s):
+        done += 1
+        for shape in shape_list:
             for k, b in benches.items():
-                if k not in samples:
+                if (shape.name, k) not in samples:
                     continue
                 t0 = time.perf_counter()
                 b.run(shape)  # at least one untimed run: first-touch of buffers, kernel selection
                 while time.perf_counter() - t0 < SETTLE_S:
                     b.run(shape)
-                samples[k].extend(b.run(shape) for _ in range(1 if shape.run else reps))  # a run: its steps' mean
-        for k in samples:
-            out[k][shape.name] = round(statistics.median(samples[k]) * 1e3, 4)
+                samples[shape.name, k].extend(b.run(shape) for _ in range(1 if shape.run else reps))
+    out: dict[str, dict[str, float]] = {k: {} for k in benches}
+    for (name, k), ts in samples.items():
+        out[k][name] = round(statistics.median(ts) * 1e3, 4)
     return out
 
 
