@@ -260,6 +260,40 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     assert e.runner.targets[0].compiled is None
 
 
+def test_close_targets_are_compiled_and_timed_again_in_the_other_order(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both really compile and run their timing steps beside the torch runner; what each timing reports is set
+    # here: "one" first measures 0.50 of the torch runner, "two" 0.52 (within timing.CLOSE), and "two"'s second
+    # timing, now first, 0.30. Each keeps its faster time: "two" runs. Every compile still happens while no
+    # other decoder's copy is alive.
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    real_time = choose.time_targets
+    order: list[str] = []
+    times = {"one@cpu": [0.5, 0.5], "two@cpu": [0.52, 0.3]}
+
+    def recorded(benches: dict[str, Any], shape_list: Any) -> dict[str, dict[str, float]]:
+        out = real_time(benches, shape_list, reps=1, blocks=1, span_s=0)
+        (label,) = [k for k in out if k != REFERENCE]
+        order.append(label)
+        v = times[label][order.count(label) - 1]
+        return {k: {n: 1.0 if k == REFERENCE else v for n in ms} for k, ms in out.items()}
+
+    monkeypatch.setattr(choose, "time_targets", recorded)
+    alive: weakref.WeakSet[Any] = weakref.WeakSet()
+    seen: list[int] = []
+    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu", "llamacpp"}))
+    host.register(_Counted("one", alive, seen), "one")
+    host.register(_Counted("two", alive, seen), "two")
+    host.load()
+    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=4)
+    c = e.decoder_choice
+    assert c is not None and c.chosen == "two@cpu", c
+    assert order[2:] == order[1::-1] and sorted(order[:2]) == ["one@cpu", "two@cpu"], order
+    by = {r["label"]: r["step_ms"] for r in c.ranked}
+    assert set(by["two@cpu"].values()) == {0.3} and set(by["one@cpu"].values()) == {0.5}
+    assert set(seen) == {0}  # each compile (4 timings, then the winner) with no other copy alive
+
+
 def test_a_plans_torch_runner_lets_go_and_a_failover_applies_the_same_plan_again(
         checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Once a compiled decoder runs a quantization plan, the torch runner's weights go, and so does the float

@@ -339,3 +339,44 @@ def test_a_stored_files_reference_is_recorded_once_and_each_decoder_probed_and_t
     assert blob.stat().st_mtime_ns == recorded_at  # replayed, not recorded again
     assert stored.time_isolated(ov, spec, EngineConfig(max_batch_size=1), host, declined)
     assert asked[2].get("probe") is False  # its verdict is kept: timed only
+
+
+@pytest.mark.parametrize("second_pass", ["turns it round", "far apart"])
+def test_targets_timed_one_after_the_other_and_close_are_timed_again_in_the_other_order(
+        ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second_pass: str) -> None:
+    # Each decoder is really probed and timed in a process of its own; what each timing reports is set here (a
+    # machine's phases are not this test's to win): OpenVINO first measures within timing.CLOSE of llama.cpp,
+    # then llama.cpp's second, other-order timing is faster and each keeps its faster time per shape. Far
+    # apart, nobody is timed twice.
+    from dspark.llm.decoding import choose, stored
+    from dspark.llm.decoding.timing import CLOSE
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    ov = {"decode_b1": 1.0, "run_b1": 0.9, "prefill_128": 8.0, "verify_k8": 2.0}
+    gap = 1.0 if second_pass == "turns it round" else 3 * CLOSE
+    first = {**ov, "decode_b1": 1.05 * gap, "run_b1": 0.95 * gap, "prefill_128": 12.0}
+    answers = {"cpu@cpu": [ov, {**ov, "decode_b1": 1.2}], "llamacpp@cpu": [first, {**first, "run_b1": 0.5}]}
+    asked: list[str] = []
+    real = stored.time_isolated
+
+    def recorded(t: Any, *a: Any) -> Any:
+        out = real(t, *a)  # really probed and timed
+        assert isinstance(out, dict), out
+        asked.append(t.label)
+        return {**out, "step_ms": answers[t.label][asked.count(t.label) - 1]}
+
+    monkeypatch.setattr(stored, "time_isolated", recorded)
+    host = PluginHost(PluginSettings(blocked={"cuda", "npu"})).load()
+    e = LLMEngine.from_model(ggufs["q8_0"], decoder="auto", max_batch_size=1, plugin_host=host)
+    c = e.decoder_choice
+    assert c is not None
+    timed = {r["label"]: r["step_ms"] for r in c.ranked if r.get("step_ms")}
+    if second_pass == "far apart":
+        assert sorted(asked) == ["cpu@cpu", "llamacpp@cpu"] and c.chosen == "cpu@cpu", (asked, c)
+        return
+    assert asked[:2] in (["cpu@cpu", "llamacpp@cpu"], ["llamacpp@cpu", "cpu@cpu"])
+    assert asked[2:] == asked[1::-1]  # again, in the other order
+    assert timed["cpu@cpu"] == ov and timed["llamacpp@cpu"] == {**first, "run_b1": 0.5}  # the faster per shape
+    assert c.chosen == "llamacpp@cpu", c
+    kept = [json.loads(f.read_text())["value"]["step_ms"] for f in (tmp_path / choose._NAMESPACE).glob("*.json")]
+    assert {**first, "run_b1": 0.5} in kept and ov in kept, kept  # and so kept for the next start
