@@ -346,8 +346,8 @@ def test_targets_timed_one_after_the_other_and_close_are_timed_again_in_the_othe
         ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second_pass: str) -> None:
     # Each decoder is really probed and timed in a process of its own; what each timing reports is set here (a
     # machine's phases are not this test's to win): OpenVINO first measures within timing.CLOSE of llama.cpp,
-    # then llama.cpp's second, other-order timing is faster and each keeps its faster time per shape. Far
-    # apart, nobody is timed twice.
+    # then llama.cpp's second, other-order timing is faster and each takes the mean of its times per shape.
+    # Far apart, nobody is timed twice.
     from dspark.llm.decoding import choose, stored
     from dspark.llm.decoding.timing import CLOSE
 
@@ -376,7 +376,8 @@ def test_targets_timed_one_after_the_other_and_close_are_timed_again_in_the_othe
         return
     assert asked[:2] in (["cpu@cpu", "llamacpp@cpu"], ["llamacpp@cpu", "cpu@cpu"])
     assert asked[2:] == asked[1::-1]  # again, in the other order
-    assert timed["cpu@cpu"] == ov and timed["llamacpp@cpu"] == {**first, "run_b1": 0.5}  # the faster per shape
+    assert timed["cpu@cpu"] == {**ov, "decode_b1": 1.1}  # the mean per shape
+    assert timed["llamacpp@cpu"] == {**first, "run_b1": 0.725}
     assert c.chosen == "llamacpp@cpu", c
     kept = [json.loads(f.read_text())["value"]["step_ms"] for f in (tmp_path / choose._NAMESPACE).glob("*.json")]
-    assert {**first, "run_b1": 0.5} in kept and ov in kept, kept  # and so kept for the next start
+    assert {**first, "run_b1": 0.725} in kept and {**ov, "decode_b1": 1.1} in kept, kept  # kept for the next start

@@ -32,7 +32,7 @@ from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import CONTEXT, Bench, close_calls, faster, scores, shapes, time_targets
+from dspark.llm.decoding.timing import CONTEXT, Bench, averaged, close_calls, scores, shapes, time_targets
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -436,7 +436,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                 out.remove(t)
             else:
                 assert isinstance(again, dict)
-                t.step_ms = faster(t.step_ms, again["step_ms"])
+                t.step_ms = averaged(t.step_ms, again["step_ms"])
                 if again["reference_ms"] is not None:
                     refs.append(dict(again["reference_ms"]))
                 disk.store(_NAMESPACE, _key(t, spec, names, host), {**again, "step_ms": t.step_ms})

@@ -211,12 +211,12 @@ def scores(step_ms: dict[str, dict[str, float]], reference_ms: list[dict[str, fl
     return {k: score(ms, best, shape_list, speculative) for k, ms in step_ms.items()}, None
 
 
-# Targets timed in processes of their own, one after the other (a file run as stored), are each timed in one
-# stretch of the machine's time, and a shared machine's speed moves in phases longer than a process's
-# timing: the same two runtimes traded places between starts (the embedded BF16 file, 2 vCPUs of an AMD
-# EPYC: one start in three put OpenVINO ahead of llama.cpp, which then served one request at a time at 0.6x).
-# Those whose scores are within this factor of the best are timed again in the other order, each keeping its
-# faster time per shape.
+# Targets timed one after the other are each timed in one stretch of the machine's time, and a shared
+# machine's speed moves in phases longer than one target's timing: the same two runtimes traded places between
+# starts (the embedded BF16 file, 2 vCPUs of an AMD EPYC: one start in three put OpenVINO ahead of llama.cpp,
+# which then served one request at a time at 0.6x). Those whose scores are within this factor of the best are
+# timed again in the other order, each taking the mean of its two times per shape (not the faster: that
+# rewards the runtime whose speed varies the most).
 CLOSE = 1.15
 
 
@@ -226,7 +226,7 @@ def close_calls(by_target: dict[str, float], factor: float = CLOSE) -> list[str]
     return [k for k, v in by_target.items() if v <= best * factor]
 
 
-def faster(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Per shape, the faster of two timings of one target (a shape timed once keeps its one time)."""
-    return {**b, **{n: min(v, b.get(n, v)) for n, v in a.items()}}
+def averaged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Per shape, the mean of two timings of one target (a shape timed once keeps its one time)."""
+    return {**b, **{n: round((v + b.get(n, v)) / 2, 4) for n, v in a.items()}}
 
