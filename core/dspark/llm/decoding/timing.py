@@ -217,7 +217,7 @@ def scores(step_ms: dict[str, dict[str, float]], reference_ms: list[dict[str, fl
 # which then served one request at a time at 0.6x). Those whose scores are within this factor of the best are
 # timed again in the other order, each taking the mean of its two times per shape (not the faster: that
 # rewards the runtime whose speed varies the most).
-CLOSE = 1.15
+CLOSE = 1.25
 
 
 def close_calls(by_target: dict[str, float], factor: float = CLOSE) -> list[str]:
