@@ -111,8 +111,8 @@ class Bench:
 # first steps share the cores with them. Each block of timed steps follows this long of untimed ones.
 SETTLE_S = 0.02
 # The least time the timing spans (more rounds while it spans less, up to MAX_BLOCKS): a runtime's step time
-# moves in phases of a fraction of a second on a shared machine (OpenVINO's one-row step between one and
-# twice its fastest), and a few blocks within tens of milliseconds caught one phase and ranked on it.
+# moves in phases on a shared machine, and a few blocks within tens of milliseconds caught one phase and
+# ranked on it (docs/decoders.md, step 4).
 SPAN_S = 1.5
 MAX_BLOCKS = 12
 
@@ -213,10 +213,9 @@ def scores(step_ms: dict[str, dict[str, float]], reference_ms: list[dict[str, fl
 
 # Targets timed one after the other are each timed in one stretch of the machine's time, and a shared
 # machine's speed moves in phases longer than one target's timing: the same two runtimes traded places between
-# starts (the embedded BF16 file, 2 vCPUs of an AMD EPYC: one start in three put OpenVINO ahead of llama.cpp,
-# which then served one request at a time at 0.6x). Those whose scores are within this factor of the best are
-# timed again in the other order, each taking the mean of its two times per shape (not the faster: that
-# rewards the runtime whose speed varies the most).
+# starts (docs/decoders.md, step 4). Those whose scores are within this factor of the best are timed again in
+# the other order, each taking the mean of its two times per shape (not the faster: that rewards the runtime
+# whose speed varies the most).
 CLOSE = 1.25
 
 
