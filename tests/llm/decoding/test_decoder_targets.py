@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from decoder_testutil import MODEL, PROMPTS, Faulty, Renamed, float_engine, greedy, run_prompts
+from decoder_testutil import MODEL, PROMPTS, Counted, Faulty, Renamed, float_engine, greedy, run_prompts
 
 from dspark.hookspecs import hookimpl
 from dspark.llm.assembly import parts
@@ -131,24 +131,6 @@ def test_logprobs_and_sampling_on_the_target() -> None:
         assert len(got[k].prompt_logprobs) == len(ref[k].prompt_logprobs)
 
 
-class _Counted(Renamed):
-    """OpenVINO's decoder under its own name, counting the compiled decoders alive when it compiles one."""
-
-    def __init__(self, name: str, alive: weakref.WeakSet[Any], seen: list[int]) -> None:
-        self.RUNTIME, self.alive, self.seen = f"{name}/CPU", alive, seen
-
-    @hookimpl
-    def dspark_compile_decoder(self, decoder: Any, device: Any) -> Any:
-        gc.collect()
-        self.seen.append(len(self.alive))
-        compiled = Renamed.dspark_compile_decoder(self, decoder, device)
-        self.alive.add(compiled)
-        return compiled
-
-    def _step(self, inner: Any, kv: Any, batch: Any) -> Any:
-        return inner.step(kv, batch)
-
-
 def _watch_loads(monkeypatch: pytest.MonkeyPatch) -> tuple[weakref.WeakSet[Any], list[bool]]:
     """Every torch runner the engine's build loads (while alive), and whether each came weightless."""
     loaded: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -230,8 +212,8 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     alive: weakref.WeakSet[Any] = weakref.WeakSet()
     seen: list[int] = []
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
-    host.register(_Counted("one", alive, seen), "one")
-    host.register(_Counted("two", alive, seen), "two")
+    host.register(Counted("one", alive, seen), "one")
+    host.register(Counted("two", alive, seen), "two")
     host.load()
     e = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=8)
     ranked = [r["label"] for r in (e.decoder_choice.ranked if e.decoder_choice else [])]
@@ -248,7 +230,7 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     seen.clear()
     host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu"}))
     host.register(Faulty(fail_at=16), "faulty")  # fails mid-serving, after the probe scenario
-    host.register(_Counted("one", alive, seen), "one")
+    host.register(Counted("one", alive, seen), "one")
     host.load()
     e = LLMEngine.from_model(MODEL, dtype="float32", decoder="faulty,one", plugin_host=host, max_batch_size=8)
     assert [t.label for t in e.runner.targets] == ["faulty@cpu", "one@cpu", "torch"]
@@ -258,40 +240,6 @@ def test_weights_are_held_once_targets_compile_one_at_a_time_and_fallbacks_only_
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}
     assert e.stats().decoder == "one@cpu" and seen == [0]  # compiled when reached: the failed one's copy gone
     assert e.runner.targets[0].compiled is None
-
-
-def test_close_targets_are_compiled_and_timed_again_in_the_other_order(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Both really compile and run their timing steps beside the torch runner; what each timing reports is set
-    # here: "one" first measures 0.50 of the torch runner, "two" 0.52 (within timing.CLOSE), and "two"'s second
-    # timing, now first, 0.30. Each takes the mean of its times: "two" runs. Every compile still happens while
-    # no other decoder's copy is alive.
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    real_time = choose.time_targets
-    order: list[str] = []
-    times = {"one@cpu": [0.5, 0.5], "two@cpu": [0.52, 0.3]}
-
-    def recorded(benches: dict[str, Any], shape_list: Any) -> dict[str, dict[str, float]]:
-        out = real_time(benches, shape_list, reps=1, blocks=1, span_s=0)
-        (label,) = [k for k in out if k != REFERENCE]
-        order.append(label)
-        v = times[label][order.count(label) - 1]
-        return {k: {n: 1.0 if k == REFERENCE else v for n in ms} for k, ms in out.items()}
-
-    monkeypatch.setattr(choose, "time_targets", recorded)
-    alive: weakref.WeakSet[Any] = weakref.WeakSet()
-    seen: list[int] = []
-    host = PluginHost(PluginSettings(blocked={"npu", "cuda", "cpu", "llamacpp"}))
-    host.register(_Counted("one", alive, seen), "one")
-    host.register(_Counted("two", alive, seen), "two")
-    host.load()
-    e = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=4)
-    c = e.decoder_choice
-    assert c is not None and c.chosen == "two@cpu", c
-    assert order[2:] == order[1::-1] and sorted(order[:2]) == ["one@cpu", "two@cpu"], order
-    by = {r["label"]: r["step_ms"] for r in c.ranked}
-    assert set(by["two@cpu"].values()) == {0.41} and set(by["one@cpu"].values()) == {0.5}
-    assert set(seen) == {0}  # each compile (4 timings, then the winner) with no other copy alive
 
 
 def test_a_plans_torch_runner_lets_go_and_a_failover_applies_the_same_plan_again(
