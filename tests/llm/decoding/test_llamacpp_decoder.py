@@ -345,7 +345,7 @@ def test_a_stored_files_reference_is_recorded_once_and_each_decoder_probed_and_t
 def test_targets_timed_one_after_the_other_and_close_are_timed_again_in_the_other_order(
         ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second_pass: str) -> None:
     # Each decoder is really probed and timed in a process of its own; what each timing reports is set here (a
-    # machine's phases are not this test's to win): OpenVINO first measures within timing.CLOSE of llama.cpp,
+    # machine's phases are not this test's to win): llama.cpp first measures within timing.CLOSE of OpenVINO,
     # then llama.cpp's second, other-order timing is faster and each takes the mean of its times per shape.
     # Far apart, nobody is timed twice.
     from dspark.llm.decoding import choose, stored
