@@ -393,7 +393,7 @@ def test_a_decoder_whose_end_run_raises_is_charged_and_not_asked_again() -> None
 def test_the_engine_times_a_targets_runs_and_rolls_them_back(decoder: str) -> None:
     # A target that runs greedy runs is timed at them too (timing.run_b1: a run's time over its steps), and the
     # cache the timing used is as it was after each one: every run sees the same context.
-    from dspark.llm.decoding.timing import RUN, Bench, shapes, time_targets
+    from dspark.llm.decoding.timing import Bench, shapes, time_targets
 
     e = _engine(RUN_MS, decoder)
     dr = e.runner
@@ -416,7 +416,6 @@ def test_the_engine_times_a_targets_runs_and_rolls_them_back(decoder: str) -> No
     sl = [s for s in shapes(1, 16) if s.name in ("decode_b1", "run_b1")]
     got = time_targets({"both": both}, sl, reps=1, blocks=1, span_s=0)["both"]
     assert set(got) == {"decode_b1", "run_b1"} and got["run_b1"] > 0 and timed_run
-    assert RUN > 1
     steps_only = Bench(dr.step, lambda n: dr.make_cache(n, bs), bs, max_seqs=1, context=40, max_rows=130,
                        vocab=vocab)
     assert set(time_targets({"s": steps_only}, sl, reps=1, blocks=1, span_s=0)["s"]) == {"decode_b1"}
