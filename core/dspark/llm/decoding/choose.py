@@ -428,14 +428,14 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
         out.append(t)
     ref.score = 1.0
     by_target, ref_ms = scores({t.label: t.step_ms for t in out}, refs, sl, cfg.speculative.active)
-    close = [t for t in reversed(fresh) if t.label in close_calls(by_target)]
+    near = set(close_calls(by_target))
+    close = [t for t in reversed(fresh) if t.label in near]
     if len(close) > 1:  # timed one after the other, and close: again in the other order (timing.CLOSE)
         for t in close:
             again = time_now(t)
-            if again is False:
+            if not isinstance(again, dict):  # failed this time: declined and charged
                 out.remove(t)
             else:
-                assert isinstance(again, dict)
                 t.step_ms = averaged(t.step_ms, again["step_ms"])
                 if again["reference_ms"] is not None:
                     refs.append(dict(again["reference_ms"]))
