@@ -43,12 +43,14 @@ def test_the_decoder_target_is_chosen_and_logged(server: Any) -> None:
 
 
 def test_models_and_health(server: Any) -> None:
+    choice = next(x for x in server.startup_log if x.get("event") == "llm.decoder.choice")
     client = server.openai()
     assert [m.id for m in client.models.list().data] == [server.model]
     card = client.models.retrieve(server.model)
     assert card.id == server.model and card.object == "model"
     h = httpx.get(f"{server.base_url}/health").json()
     assert h["status"] == "ok" and h["model"] == server.model
+    assert h["decoder"] == choice["chosen"] and h["decoder_failovers"] == 0, h  # what runs the model now
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
 

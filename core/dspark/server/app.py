@@ -116,7 +116,7 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
         s = state.engine.stats()
         return {"status": "ok", "model": state.model_name, "requests_running": s.num_running,
                 "requests_waiting": s.num_waiting, "kv_cache_used_bytes": s.kv_used_bytes,
-                "kv_cache_usage_ratio": s.kv_usage}
+                "kv_cache_usage_ratio": s.kv_usage, "decoder": s.decoder, "decoder_failovers": s.decoder_failovers}
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
