@@ -403,6 +403,7 @@ async def _timed(port: int, warm: list[list[int]], ps: list[list[int]], new: int
 def run_server_contender(kind: str, file: str, ps: list[list[int]], new: int, batch: int, threads: int,
                          spec: bool, warm: list[list[int]], kv: str = "float32") -> dict[str, Any]:
     t0 = time.perf_counter()
+    RETRIES[0] = 0  # this contender's own
     proc, port, health = _start_server(kind, file, batch, threads, spec, kv)
     try:
         asyncio.run(_wait_ready(port, health, proc))
@@ -412,6 +413,12 @@ def run_server_contender(kind: str, file: str, ps: list[list[int]], new: int, ba
         if RETRIES[0]:
             out["retries"] = RETRIES[0]
         out["peak_rss_mb"] = _vmhwm_mb(proc.pid)
+        if kind == "dspark":  # what the server's engine chose by its timings (and still runs: no failover)
+            import httpx
+
+            h = httpx.get(f"http://127.0.0.1:{port}{health}", timeout=30).json()
+            out["decoder"] = h["decoder"] + (f" (after {h['decoder_failovers']} failovers)" if h["decoder_failovers"]
+                                             else "")
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
