@@ -31,7 +31,7 @@ def test_every_alert_is_tested_and_uses_exported_names() -> None:
     fired = {t["alertname"] for case in tests for t in case["alert_rule_test"] if t["exp_alerts"]}
     quiet = {t["alertname"] for case in tests for t in case["alert_rule_test"] if not t["exp_alerts"]}
     names = {r["alert"] for r in rules}
-    assert len(names) == 4 and names == fired == quiet
+    assert len(names) == 5 and names == fired == quiet
     used = {re.sub(r"_(bucket|sum|count|total)$", "", n) for r in rules for n in re.findall(r"dspark_\w+", r["expr"])}
     assert used == {"dspark_kv_cache_usage_ratio", "dspark_requests_waiting", "dspark_http_requests",
-                    "dspark_time_to_first_token_seconds"}
+                    "dspark_time_to_first_token_seconds", "dspark_decoder_failovers"}

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dspark.llm import RequestOutput, SamplingParams
@@ -18,7 +19,7 @@ FAMILIES = {
     "dspark_requests_running": "gauge", "dspark_requests_waiting": "gauge",
     "dspark_kv_cache_used_bytes": "gauge", "dspark_kv_cache_total_bytes": "gauge",
     "dspark_kv_cache_usage_ratio": "gauge", "dspark_kv_cache_fragmentation_ratio": "gauge",
-    "dspark_preemptions": "counter",
+    "dspark_preemptions": "counter", "dspark_decoder_failovers": "counter", "dspark_decoder_info": "gauge",
     "dspark_time_to_first_token_seconds": "histogram", "dspark_time_per_output_token_seconds": "histogram",
     "dspark_e2e_request_latency_seconds": "histogram",
     "dspark_prompt_tokens": "counter", "dspark_generation_tokens": "counter",
@@ -38,6 +39,14 @@ def test_families_and_types(server: Any) -> None:
     assert {n: m.families[n].type for n in FAMILIES if n in m.families} == FAMILIES
     # The API port serves the same registry.
     assert set(FAMILIES) <= set(server.metrics(api_port=True).families)
+
+
+def test_the_decoder_running_the_model_and_its_failovers(server: Any) -> None:
+    health = httpx.get(f"{server.base_url}/health", timeout=30).json()
+    m = server.metrics()
+    info = [s for s in m.samples if s.name == "dspark_decoder_info"]
+    assert [(s.labels["decoder"], s.value) for s in info] == [(health["decoder"], 1.0)], info  # one target, now
+    assert m.value("dspark_decoder_failovers_total") == health["decoder_failovers"] == 0
 
 
 def test_every_dspark_series_has_model_name(server: Any) -> None:

@@ -94,6 +94,15 @@ class _EngineCollector(Collector):
                     s.effective_max_batch)
         yield self._family(CounterMetricFamily, "dspark_preemptions",
                            "Sequences preempted (pages reclaimed, recomputed later).", s.num_preemptions)
+        # A failover keeps every request but may run the model far slower: operators alert on it.
+        yield self._family(CounterMetricFamily, "dspark_decoder_failovers",
+                           "Times the decoder target running the model failed and the next one took over.",
+                           getattr(s, "decoder_failovers", 0))
+        info = self._family(GaugeMetricFamily, "dspark_decoder_info",
+                            "The decoder target running the model now, plugin@device or torch (value 1).",
+                            labels=("decoder",))
+        info.add_metric([self.model, str(getattr(s, "decoder", "torch"))], 1)
+        yield info
         yield from self._speculative(s)
         used = self._family(GaugeMetricFamily, "dspark_device_memory_used_bytes",
                             "Memory in use per device (CPU: process RSS; CUDA: allocator reserved).",

@@ -18,6 +18,7 @@ from dspark.host.plugin_manager import PluginHost
 from dspark.host.settings import PluginSettings
 from dspark.llm.engine import LLMEngine
 from dspark.llm.sampling import SamplingParams
+from dspark.server.metrics import ServerMetrics
 
 openvino = pytest.importorskip("openvino")
 
@@ -42,6 +43,11 @@ def test_a_failing_decoder_moves_to_the_next_target_and_loses_no_request(hang: b
     fault = host.last_fault("faulty")
     assert fault is not None and fault.hook == "decoder.step"
     assert ("did not return within" if hang else "device lost") in fault.reason
+    # What a server's /metrics says of it (the series an operator's alert watches).
+    registry = ServerMetrics(e, model_name="m", devices=[]).registry
+    assert registry.get_sample_value("dspark_decoder_failovers_total", {"model_name": "m"}) == 1
+    assert registry.get_sample_value("dspark_decoder_info", {"model_name": "m", "decoder": "torch"}) == 1
+    assert registry.get_sample_value("dspark_decoder_info", {"model_name": "m", "decoder": "faulty@cpu"}) is None
 
 
 class _Cancellable(Renamed):
