@@ -159,6 +159,11 @@ def test_replicas_on_both_nodes_each_with_labelled_metrics(served: ServerHandle,
                             for x in info)
     ingress = Metrics(httpx.get(f"{served.base_url}/metrics", timeout=10).text)
     assert ingress.value("dspark_http_requests_total", route="/v1/completions", status="200") >= 24
+    # The ingress names what its replicas run (each replica's own /metrics says its own) and their failovers.
+    runs = sorted({x.labels["decoder"] for e in reps for x in scrape(e).samples if x.name == "dspark_decoder_info"})
+    health = httpx.get(f"{served.base_url}/health", timeout=10).json()
+    assert runs and health["decoder"] == ",".join(runs) and health["decoder_failovers"] == 0, (runs, health)
+    assert [x.labels["decoder"] for x in ingress.samples if x.name == "dspark_decoder_info"] == [health["decoder"]]
 
 
 def test_soak_two_replicas_disconnects_lose_nothing_and_free_every_kv_page(served: ServerHandle) -> None:

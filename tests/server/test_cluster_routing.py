@@ -133,3 +133,19 @@ def test_engine_deployment_options_from_the_config() -> None:
     assert replica_threads(c) == 2  # type: ignore[arg-type]
     p2 = engine_options(_load({"cluster": {"replicas": 2, "router": "power_of_two"}}))  # type: ignore[arg-type]
     assert p2["num_replicas"] == 2 and "request_router_config" not in p2
+
+
+def test_the_ingress_sums_its_replicas_decoders_and_failovers() -> None:
+    from dspark.llm.engine import EngineStats
+    from dspark.server.cluster.frontend import _sum_stats
+
+    def entry(decoder: str, failovers: int) -> dict[str, object]:
+        s = EngineStats(kv_used_bytes=0, kv_total_bytes=0, kv_used_pages=0, kv_free_pages=4, kv_total_pages=4,
+                        kv_usage=0.0, kv_fragmentation=0.0, page_size=16, num_running=0, num_waiting=0,
+                        num_preemptions=0, effective_max_batch=8, decoder=decoder, decoder_failovers=failovers)
+        return {"stats": s.__dict__}  # as a replica reports it (replica.record_routing_stats)
+
+    same = _sum_stats([entry("cpu@cpu", 0), entry("cpu@cpu", 0)])
+    assert (same.decoder, same.decoder_failovers) == ("cpu@cpu", 0)
+    mixed = _sum_stats([entry("torch", 1), entry("cpu@cpu", 0), entry("llamacpp@cpu", 2)])
+    assert (mixed.decoder, mixed.decoder_failovers) == ("cpu@cpu,llamacpp@cpu,torch", 3)

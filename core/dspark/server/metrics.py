@@ -97,11 +97,11 @@ class _EngineCollector(Collector):
         # A failover keeps every request but may run the model far slower: operators alert on it.
         yield self._family(CounterMetricFamily, "dspark_decoder_failovers",
                            "Times the decoder target running the model failed and the next one took over.",
-                           getattr(s, "decoder_failovers", 0))
+                           s.decoder_failovers)
         info = self._family(GaugeMetricFamily, "dspark_decoder_info",
                             "The decoder target running the model now, plugin@device or torch (value 1).",
                             labels=("decoder",))
-        info.add_metric([self.model, str(getattr(s, "decoder", "torch"))], 1)
+        info.add_metric([self.model, s.decoder], 1)
         yield info
         yield from self._speculative(s)
         used = self._family(GaugeMetricFamily, "dspark_device_memory_used_bytes",

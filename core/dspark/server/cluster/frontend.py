@@ -37,12 +37,13 @@ _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
-    """The replicas' engine state as one engine's: counts and bytes add up, ratios are recomputed."""
+    """The replicas' engine state as one engine's: counts and bytes add up, ratios are recomputed, and the
+    decoder is every decoder a replica runs (sorted, comma-separated)."""
     stats = [e["stats"] for e in entries]
     total = {k: sum(int(s.get(k, 0)) for s in stats) for k in (
         "kv_used_bytes", "kv_total_bytes", "kv_used_pages", "kv_free_pages", "kv_total_pages", "num_running",
-        "num_waiting", "num_preemptions", "effective_max_batch", "spec_drafts", "spec_draft_tokens",
-        "spec_accepted_tokens", "spec_drafter_failures", "spec_explore_steps", "spec_copy_runs")}
+        "num_waiting", "num_preemptions", "effective_max_batch", "decoder_failovers", "spec_drafts",
+        "spec_draft_tokens", "spec_accepted_tokens", "spec_drafter_failures", "spec_explore_steps", "spec_copy_runs")}
     pages = total["kv_total_pages"]
     drafts, drafted, accepted = total["spec_drafts"], total["spec_draft_tokens"], total["spec_accepted_tokens"]
     return EngineStats(
@@ -50,6 +51,7 @@ def _sum_stats(entries: list[dict[str, Any]]) -> EngineStats:
         kv_usage=total["kv_used_pages"] / pages if pages else 0.0,
         kv_fragmentation=max((float(s.get("kv_fragmentation", 0.0)) for s in stats), default=0.0),
         page_size=int(stats[0]["page_size"]) if stats else 0,
+        decoder=",".join(sorted({str(s.get("decoder", "torch")) for s in stats})) or "torch",
         spec_strategy=next((s.get("spec_strategy") for s in stats if s.get("spec_strategy")), None),
         spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
         spec_acceptance_rate=accepted / drafted if drafted else 0.0,
