@@ -172,12 +172,13 @@ def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -
         return
     shapes = list(next((r["step_ms"] for r in choice.ranked if r.get("step_ms")), {}))
     table = Table(title=f"Decoder targets for {path.name} ({runner.dtype}), best first", title_justify="left")
-    for col in ("target", "runtime", "relative time", *[f"{s} ms" for s in shapes]):
+    for col in ("target", "runtime", "relative time", *[f"{s} ms" for s in shapes], "CPU held by others"):
         table.add_column(col)
     for r in choice.ranked:
         ms = r.get("step_ms") or {}
         table.add_row(r["label"], r["runtime"], f"{r['score']:.2f}" if "score" in r else "-",
-                      *[f"{ms[s]:.2f}" if s in ms else "-" for s in shapes])
+                      *[f"{ms[s]:.2f}" if s in ms else "-" for s in shapes],
+                      f"{r['busy']:.0%}" if r.get("busy") is not None else "-")
     out.print(table)
     for d in choice.declined:
         out.print(f"declined: {d['label']}: {d['reason']}")

@@ -10,6 +10,7 @@ import os
 import platform
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,37 @@ def cpu_utilization() -> float:
     except OSError:
         return 0.0
     return max(0.0, min(1.0, load1 / (cpu_static()["logical_cores"] or 1)))
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds spent so far on this process's usable cores: by every process (the hypervisor's steal
+    included) and by this one (every thread), at ``wall`` (``time.monotonic``)."""
+
+    wall: float
+    busy: float
+    own: float
+    cores: int
+
+
+def cpu_sample() -> CpuSample:
+    """Now's :class:`CpuSample` (psutil: /proc/stat per core on Linux)."""
+    per = psutil.cpu_times(percpu=True)
+    ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(len(per))
+    use = [per[i] for i in ids if i < len(per)] or per
+    busy = sum(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+               + getattr(t, "steal", 0.0) for t in use)
+    own = psutil.Process().cpu_times()
+    return CpuSample(time.monotonic(), busy, own.user + own.system, len(use))
+
+
+def others_share(a: CpuSample, b: CpuSample) -> float:
+    """The share of the usable cores' time from ``a`` to ``b`` that went to other processes (and to steal):
+    0 on a machine doing nothing else, 1 when they held every core throughout."""
+    span = (b.wall - a.wall) * b.cores
+    if span <= 0:
+        return 0.0
+    return max(0.0, min(1.0, ((b.busy - a.busy) - (b.own - a.own)) / span))
 
 
 def fingerprint() -> dict[str, Any]:

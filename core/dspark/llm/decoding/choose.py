@@ -32,7 +32,8 @@ from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import CONTEXT, Bench, averaged, close_calls, scores, shapes, time_targets
+from dspark.llm.decoding.timing import (BUSY, CONTEXT, Bench, Contention, averaged, close_calls, contention_now,
+                                       retime, scores, shapes, time_targets)
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from dspark.types import DecoderBid, Device, QuantSpec
 
 log = get_logger("dspark.llm.decoder")
-_NAMESPACE = "decoder-timings-v5"  # v5: timed in settled blocks, idle workers retired; keyed by the host CPU (v4)
+_NAMESPACE = "decoder-timings-v6"  # v6: with the other processes' share of the cores (busy); v5: settled blocks
 
 
 @dataclass
@@ -260,8 +261,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
             targets = [chain]
     if first is None and slower:  # every target measured slower than the torch runner
         ranked = sorted([*slower, ref], key=lambda t: t.score)
-        rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
-                 **({"note": t.note} if t.note else {})} for t in ranked]
+        rows = [_row(t) for t in ranked]
         choice = DecoderChoice(REFERENCE, "measured fastest ({})".format(_beat(ref, ranked)), rows, declined,
                                time.perf_counter() - t0)
         _log(choice)
@@ -274,8 +274,7 @@ def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: 
         return runner, choice
     ranked = sorted([*targets, *slower, ref], key=lambda t: t.score) if cfg.decoder == "auto" and not weightless \
         else [*targets, ref]
-    rows = [{"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
-             **({"note": t.note} if t.note else {})} for t in ranked]
+    rows = [_row(t) for t in ranked]
     if ranked[0].is_reference:
         choice = DecoderChoice(REFERENCE, why.format(_beat(ranked[0], ranked)), rows, declined,
                                time.perf_counter() - t0)
@@ -346,6 +345,13 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     return t.admitted
 
 
+def _row(t: Target) -> dict[str, Any]:
+    """A ranked target as the choice reports it (``busy``: other processes' share of the cores while it was
+    timed, where known)."""
+    return {"label": t.label, "runtime": t.runtime, "score": round(t.score, 3), "step_ms": t.step_ms,
+            **({"busy": t.busy} if t.busy is not None else {}), **({"note": t.note} if t.note else {})}
+
+
 def _beat(first: Target, ranked: list[Target]) -> str:
     if not first.step_ms:
         return "then " + ", ".join(t.label for t in ranked if t is not first)
@@ -407,22 +413,41 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                       greedy=dr.greedy_steps if dr.offers_greedy_steps() else None)
         hook_threads.retire_idle()  # the compile's leftover OpenMP team (a conversion) would slow what is timed
         benches = {t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}
-        timed = time_targets(benches, sl)
+        with Contention() as busy:
+            timed = time_targets(benches, sl)
         del dr, bench
         t.release()  # compiled again if it wins, or if a failover reaches it
         hostinfo.return_freed_memory()
-        return {"step_ms": timed[t.label], "reference_ms": timed.get(REFERENCE)}
+        return {"step_ms": timed[t.label], "reference_ms": timed.get(REFERENCE), "busy": busy.share}
+
+    now: list[float] = []  # the machine's contention at this start: looked at once, when a cached timing was busy
+
+    def stale(cached: dict[str, Any]) -> bool:
+        """Cached timings taken on a busy machine, and this start finds it quieter: timed again (timing.retime)."""
+        if (cached.get("busy") or 0.0) <= BUSY:
+            return False
+        if not now:
+            now.append(contention_now())
+        return retime(cached["busy"], now[0])
 
     fresh: list[Target] = []  # timed at this start, one after the other
     for t in targets:
         cached = disk.load(_NAMESPACE, _key(t, spec, names, host))
+        if cached is not None and stale(cached):
+            log.info("llm.decoder.retime", target=t.label, busy_then=cached["busy"], busy_now=now[0])
+            cached = None
         if cached is None:
             cached = time_now(t)
             if cached is False:
                 continue
             disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
             fresh.append(t)
+            if (cached.get("busy") or 0.0) > BUSY:
+                log.warning("llm.decoder.timed_busy", target=t.label, busy=cached["busy"],
+                            note="other processes held this share of the cores while it was timed; "
+                                 "a start on a quieter machine times it again")
         t.step_ms = dict(cached["step_ms"])
+        t.busy = cached.get("busy")
         if cached["reference_ms"] is not None:
             refs.append(dict(cached["reference_ms"]))
         out.append(t)
@@ -439,7 +464,9 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                 t.step_ms = averaged(t.step_ms, again["step_ms"])
                 if again["reference_ms"] is not None:
                     refs.append(dict(again["reference_ms"]))
-                disk.store(_NAMESPACE, _key(t, spec, names, host), {**again, "step_ms": t.step_ms})
+                shares = [b for b in (t.busy, again.get("busy")) if b is not None]
+                t.busy = max(shares) if shares else None  # the mean carries the busier timing's share
+                disk.store(_NAMESPACE, _key(t, spec, names, host), {**again, "step_ms": t.step_ms, "busy": t.busy})
         by_target, ref_ms = scores({t.label: t.step_ms for t in out}, refs, sl, cfg.speculative.active)
     for t in out:
         t.score = by_target[t.label]

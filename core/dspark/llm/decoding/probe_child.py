@@ -91,7 +91,7 @@ def _replayed(compiled: object, runner: object, spec: object, recording: Transcr
 def _time(req: dict[str, object], runner: object, compiled: object, plugin: str, device_id: str) -> dict[str, object]:
     from dspark.host import hook_threads
     from dspark.llm.decoding.runner import DecoderRunner, Target
-    from dspark.llm.decoding.timing import CONTEXT, Bench, shapes, time_targets
+    from dspark.llm.decoding.timing import CONTEXT, Bench, Contention, shapes, time_targets
     from dspark.sdk.decoder import is_sequence
 
     max_batch, chunk = (int(x) for x in req["time"])  # type: ignore[attr-defined]
@@ -106,7 +106,9 @@ def _time(req: dict[str, object], runner: object, compiled: object, plugin: str,
                       context=min(CONTEXT, cfg.max_position_embeddings - 130), max_rows=130, vocab=cfg.vocab_size,
                       greedy=dr.greedy_steps if dr.offers_greedy_steps() else None)
         hook_threads.retire_idle()
-        return {"step_ms": time_targets({"t": bench}, sl)["t"]}
+        with Contention() as busy:
+            timed = time_targets({"t": bench}, sl)["t"]
+        return {"step_ms": timed, "busy": busy.share}
     except Exception as exc:
         return {"bad": f"a timed step raised {type(exc).__name__}: {exc}"}
 

@@ -60,6 +60,7 @@ class Target:
     plugin: str | None = None
     device_id: str | None = None
     step_ms: dict[str, float] = field(default_factory=dict)  # measured per step shape
+    busy: float | None = None  # other processes' share of the cores while step_ms was measured (None: unknown)
     exit_layers: bool = True
     note: str = ""
     score: float = 1.0  # a nominal request's time relative to the torch runner's (timing.score)

@@ -138,7 +138,7 @@ def time_isolated(t: Target, spec: DecoderSpec, cfg: EngineConfig, host: PluginH
             if "missing" in out:
                 return None
             if "step_ms" in out and not out.get("bad"):
-                return {"step_ms": out["step_ms"], "reference_ms": None}
+                return {"step_ms": out["step_ms"], "reference_ms": None, "busy": out.get("busy")}
             bad = str(out.get("bad"))
     declined.append({"label": t.label, "reason": str(bad)})
     if t.plugin is not None:

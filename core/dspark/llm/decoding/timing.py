@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.host import hostinfo
 from dspark.llm.runner.kv_cache import PagedKVCache
 from dspark.llm.runner.types import SeqChunk
 
@@ -229,3 +230,37 @@ def averaged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Per shape, the mean of two timings of one target (a shape timed once keeps its one time)."""
     return {**b, **{n: round((v + b.get(n, v)) / 2, 4) for n, v in a.items()}}
 
+
+
+# Other processes' share of the usable cores while a target was timed (hostinfo.others_share) above which its
+# timings are kept only until a quieter start: a start beside a build or a test run ranks on what they left it,
+# and a cache that kept those timings for good kept that ranking for good.
+BUSY = 0.25
+NOW_S = 0.2  # how long a start looks at the machine before it trusts or re-times busy timings
+
+
+class Contention:
+    """Other processes' share of the usable cores over a ``with`` block: ``share``, once the block has ended."""
+
+    share: float | None = None
+
+    def __enter__(self) -> Contention:
+        self._start = hostinfo.cpu_sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.share = round(hostinfo.others_share(self._start, hostinfo.cpu_sample()), 3)
+
+
+def contention_now(window_s: float = NOW_S) -> float:
+    """Other processes' share of the usable cores over the next ``window_s`` (this process waits)."""
+    with Contention() as c:
+        time.sleep(window_s)
+    return c.share or 0.0
+
+
+def retime(busy: float | None, now: float) -> bool:
+    """Whether timings taken while other processes held ``busy`` of the cores are taken again at a start that
+    sees ``now``: they were busy (above :data:`BUSY`) and the machine is quieter now by half. Timings of an
+    unknown share (None) are kept."""
+    return busy is not None and busy > BUSY and now <= busy / 2
