@@ -149,6 +149,7 @@ def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -
     """``dspark devices --decoders MODEL``: the engine's decoder choice for MODEL, bids and timings."""
     from pathlib import Path
 
+    from dspark.host import progress
     from dspark.llm.api import default_model_path
     from dspark.llm.engine import LLMEngine
     from dspark.llm.gguf import is_gguf
@@ -159,7 +160,7 @@ def _decoders(model: str, dtype: str, plugin: list[str] | None, as_json: bool) -
                   "nor a GGUF file")
         raise typer.Exit(2)
     host = host_from_cli(plugin)
-    with err.status(f"bidding on {path.name}'s decoder and timing the bidders..."):
+    with progress.on_terminal(f"bidding on {path.name}'s decoder and timing the bidders"):
         # The engine's own start-up path, so a GGUF file is offered as the engine offers it.
         engine = LLMEngine.from_model(path, dtype=dtype, decoder="auto", plugin_host=host)
     runner = engine.runner

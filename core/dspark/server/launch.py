@@ -10,6 +10,7 @@ import time
 import traceback
 from typing import Any
 
+from dspark.host import progress
 from dspark.host.log import get_logger
 from dspark.server.config import ServerConfig
 
@@ -102,7 +103,8 @@ def load_engine(cfg: ServerConfig) -> tuple[Any, Any, str | None]:
     log.info(f"Loading model from {path}", path=str(path), dtype=cfg.model.dtype,
              torch_threads=torch.get_num_threads(), gpu_memory_utilization=cfg.resources.gpu_memory_utilization)
     t0 = time.perf_counter()
-    engine = AsyncLLMEngine.from_pretrained(path, dtype=cfg.model.dtype, config=cfg.engine_config())
+    with progress.on_terminal(f"starting {cfg.served_name()}"):
+        engine = AsyncLLMEngine.from_pretrained(path, dtype=cfg.model.dtype, config=cfg.engine_config())
     dt = time.perf_counter() - t0
     log.info(f"Model loaded in {dt:.1f}s.", seconds=round(dt, 3), model=cfg.served_name(),
              max_model_len=engine.inputs.max_model_len, kv_cache_tokens=engine.inputs.kv_tokens,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dspark.host import hook_threads
+from dspark.host import hook_threads, progress
 from dspark.llm.config import EngineConfig
 from dspark.llm.gguf import load_runner
 from dspark.llm.inputs import InputProcessor
@@ -113,6 +113,7 @@ class _Builder:
         # A quantized GGUF file starts without the torch runner's copy of its weights: a decoder that runs the
         # file as stored (decoding/setup.py) then holds them once; the torch runner loads only if it must run.
         plugins_may_run = cfg.decoder != "torch" and cfg.devices is None and cfg.dense_offload == "off"
+        progress.step(f"reading {model.name}")
         self.runner, self.gguf = load_runner(model, dtype, weightless_if_quantized=plugins_may_run)
 
     def parts(self, t_start: float) -> EngineParts:
@@ -142,6 +143,7 @@ class _Builder:
                 inv=self.devices.inventory)
         from dspark.llm.decoding.setup import setup_runner
 
+        progress.step("asking the plugins for a decoder")
         started = setup_runner(self.start_context(), self.runner)  # what runs the decoder, and why
         runner = started.runner
         cache = runner.make_cache(-(-total // started.page_size), started.page_size)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark.host import cache as disk
-from dspark.host import hook_threads, hostinfo
+from dspark.host import hook_threads, hostinfo, progress
 from dspark.host.log import get_logger
 from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
@@ -330,6 +330,8 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
     """Compile ``t`` (when it is not) and probe it (when not done in this process); a failure is declined
     and charged to its plugin. ``recorded``: as :func:`_probe`'s."""
     try:
+        if t.compiled is None:
+            progress.step(f"{spec.name}: compiling {t.label}", target=t.label)
         t.ensure()
     except Exception as exc:
         why = f"{exc}" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
@@ -339,6 +341,7 @@ def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHos
         return False
     if t.admitted:
         return True
+    progress.step(f"{spec.name}: checking {t.label}'s outputs", target=t.label)
     t.admitted = _admit(t, reference, spec, host, declined, load_reference, recorded)
     if not t.admitted:
         t.release()
@@ -396,6 +399,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
         here beside the torch runner; False when it failed (declined)."""
         nonlocal ref_bench
         if weightless:
+            progress.step(f"{spec.name}: checking and timing {t.label} in a process of its own", target=t.label)
             got = stored.time_isolated(t, spec, cfg, host, declined)
             if got is not None:
                 return got
@@ -413,6 +417,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                       greedy=dr.greedy_steps if dr.offers_greedy_steps() else None)
         hook_threads.retire_idle()  # the compile's leftover OpenMP team (a conversion) would slow what is timed
         benches = {t.label: bench} if ref_bench is None else {t.label: bench, REFERENCE: ref_bench}
+        progress.step(f"{spec.name}: timing {t.label}", target=t.label)
         with Contention() as busy:
             timed = time_targets(benches, sl)
         del dr, bench

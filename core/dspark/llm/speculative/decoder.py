@@ -32,6 +32,7 @@ import torch
 
 from dspark.builtin.prompt_lookup import PromptLookupDrafter
 from dspark.builtin.suffix import SuffixDrafter
+from dspark.host import progress
 from dspark.host.plugin_manager import PluginHost
 from dspark.llm.speculative.call_guard import CallGuard
 from dspark.llm.config import SpeculativeConfig
@@ -138,6 +139,7 @@ class SpecDecoder(Proposer, Learner, Calibration):
             runtime=TargetRuntime(runner, cache, place_decoder))
 
         self.host = host
+        progress.step("preparing the drafters")
         offers = collect_drafters(self.host, target)
         if cfg.drafters is not None:
             want = cfg.drafters
@@ -199,8 +201,10 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self.controller: Controller | None = None
         self.calibration: dict[str, Any] = {}
         if self.strategy == "fixed" and self.fixed is not None:
+            progress.step("timing a change of the step's shape")
             self._calibrate(costs=False)
         if self.strategy == "deepspec" and self.handles:
+            progress.step("timing verification and drafters (DeepSpec's cost models)")
             self._calibrate()
             if self.controller is None:
                 self._prior_costs(None)
