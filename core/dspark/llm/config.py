@@ -146,7 +146,9 @@ class SpeculativeConfig(BaseModel):
     by preference the draft model, then self-drafting, then n-gram lookup: the
     request's own context before earlier requests' text).
 
-    Greedy output is token-identical to plain decoding. Sampled output keeps
+    Greedy output is the target's argmax at every position, as plain decoding's: in float32 the same tokens;
+    in a 16-bit dtype a runtime may round a step of several rows apart from a step of one, so a near-tie can
+    go the other way (docs/benchmarks.md measures how often). Sampled output keeps
     the target's distribution exactly (the rejection rule), but a seeded
     request's tokens also depend on the drafts it was verified against, and
     under ``deepspec`` on timings, so they are not bit-reproducible the way
