@@ -231,7 +231,6 @@ def averaged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {**b, **{n: round((v + b.get(n, v)) / 2, 4) for n, v in a.items()}}
 
 
-
 # Other processes' share of the usable cores while a target was timed (hostinfo.others_share) above which its
 # timings are kept only until a quieter start: a start beside a build or a test run ranks on what they left it,
 # and a cache that kept those timings for good kept that ranking for good.
