@@ -247,22 +247,43 @@ class OpenVINODecoder:
         stops = np.fromiter(stop_ids, np.int64, len(stop_ids))
         bs, vocab = self.block_size, self.spec.vocab_size
         first_block = batch.block_indices_begins[:-1]
+
+        def argmax(logits: np.ndarray) -> np.ndarray:
+            return logits[:, :vocab].argmax(1)  # no copy of the logits
+
         with self._cancel_lock:  # an end_run() from here on reaches this run
             self._in_run, self._end = True, False
         try:
             for s in range(steps):
-                nxt = self._step(kv, batch, lambda logits: logits[:, :vocab].argmax(1))  # no copy of the logits
+                if s == 0 or self.gathered:
+                    nxt = self._step(kv, batch, argmax)
+                else:
+                    nxt = self._next_step(nxt, argmax)
                 out[:, s] = nxt
                 if s + 1 == steps or self._end or (len(stops) and bool(np.isin(nxt, stops).any())):
                     break
-                pos = batch.positions + 1
-                slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
-                batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1,
-                                slot_mapping=slots, max_context_len=batch.max_context_len + 1)
+                if self.gathered:
+                    pos = batch.positions + 1
+                    slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
+                    batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1,
+                                    slot_mapping=slots, max_context_len=batch.max_context_len + 1)
         finally:
             with self._cancel_lock:
                 self._in_run = False
         return out
+
+    def _next_step(self, tokens: np.ndarray, read: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The next step of a greedy run, one row per sequence, fed in place: the main request reads the arrays
+        the run's first step bound (:meth:`_feed`), and of those only the tokens, positions, past lengths and
+        the longest context move; the block table already holds the whole run's pages (reserved before it)."""
+        with self._lock:
+            req, held = self.request, self._held
+            key = id(req)
+            np.copyto(held[key, "input_ids"], tokens)
+            for name in ("position_ids", "past_lens", "max_context_len"):
+                held[key, name] += 1
+            self._infer(req)
+            return read(req.get_output_tensor(0).data)
 
     def end_run(self) -> None:
         """End the greedy run in progress after its step in flight (API 1.15: a request arrived); nothing when

@@ -123,7 +123,7 @@ def test_end_run_ends_a_run_after_the_step_in_flight(decoder: str, monkeypatch: 
 
     if decoder == "cpu":
         compiled = e.runner.current.compiled
-        monkeypatch.setattr(compiled, "_step", counted(compiled._step))  # what each step of its runs calls
+        monkeypatch.setattr(compiled, "_infer", counted(compiled._infer))  # what each step of its runs calls
     else:
         from dspark_llamacpp import runtime
 
