@@ -244,7 +244,6 @@ class OpenVINODecoder:
         out = np.full((len(limits), int(limits.max())), -1, np.int64)
         whole = self.spec.layers[0] == 0 and self.spec.last and batch.exit_layer is None
         steps = int(limits.min()) if whole and batch.rope_positions is None else 1
-        stops = np.fromiter(stop_ids, np.int64, len(stop_ids))
         bs, vocab = self.block_size, self.spec.vocab_size
         first_block = batch.block_indices_begins[:-1]
 
@@ -260,7 +259,7 @@ class OpenVINODecoder:
                 else:
                     nxt = self._next_step(nxt, argmax)
                 out[:, s] = nxt
-                if s + 1 == steps or self._end or (len(stops) and bool(np.isin(nxt, stops).any())):
+                if s + 1 == steps or self._end or not stop_ids.isdisjoint(nxt.tolist()):  # not np.isin: slow
                     break
                 if self.gathered:
                     pos = batch.positions + 1
