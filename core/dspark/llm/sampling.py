@@ -211,8 +211,12 @@ def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], gens: Seq[tor
 
 def _draw_rows(x: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None], where: list[int],
                out: list[int]) -> None:
-    """``sample_rows``'s draws for rows that are not greedy; row r's token goes to ``out[where[r]]``."""
+    """``sample_rows``'s draws for rows that are not greedy; row r's token goes to ``out[where[r]]``. The work
+    over the vocabulary (scaling, top_k, softmax, cumulative sums, the mass above a pick) is torch's, batched;
+    each row's few numbers (its draw, pick and top_p check) are read on the host: a small tensor op per row
+    cost more than the vocabulary's work at one row, all the more right after a step, with cold caches."""
     vocab = x.shape[-1]
+    x = x.detach().float().cpu()  # the sampler lives on the host, in float32 (in place where it is so already)
     # softmax subtracts each row's max itself; 1 / temperature is at most 1e5 (GREEDY_BELOW), so no finite
     # float32 logit overflows on the way.
     x = x * torch.tensor([1.0 / p.temperature for p in params], dtype=x.dtype)[:, None]
@@ -223,37 +227,38 @@ def _draw_rows(x: torch.Tensor, params: list[SamplingParams], gens: list[torch.G
         kth = torch.topk(sub, int(kk.max()), dim=-1).values.gather(1, kk[:, None] - 1)
         x[ks] = sub.masked_fill(sub < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    pn = probs.numpy()
     live = list(range(len(params)))  # rows of ``probs`` still drawing
     w = probs
     while live:
-        total = torch.cumsum(w, -1)
-        u = torch.stack([torch.rand((), generator=gens[r]) for r in live]) * total[:, -1]
-        pick = torch.searchsorted(total, u[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
-        pr = probs if len(live) == len(params) else probs[live]
-        tp = top_p if len(live) == len(params) else top_p[live]
-        px = pr.gather(1, pick[:, None])
+        total = torch.cumsum(w, -1).numpy()
+        u = np.array([float(torch.rand((), generator=gens[r])) for r in live], np.float32) * total[:, -1]
+        if len(live) <= 4:  # the same binary search either way; one call for many rows
+            picks = [min(int(np.searchsorted(total[i], u[i], side="right")), vocab - 1) for i in range(len(live))]
+        else:
+            picks = torch.searchsorted(torch.from_numpy(total), torch.from_numpy(u)[:, None], right=True)[:, 0] \
+                .clamp_(max=vocab - 1).tolist()
+        pxs = [float(pn[r, k]) for r, k in zip(live, picks)]
         # top_p by rejection: a token drawn from those above a rising pivot is kept when the more probable
         # tokens carry less than top_p; else none as probable as it is kept, and the pivot rises to it. Those
         # carry at most 1 - p(token): a token that probable is kept without the sum.
-        kept = ((tp >= 1.0) | (px[:, 0].double() > 1.0 - tp + 1e-4)).tolist()
-        check = [r for r, ok in enumerate(kept) if not ok]
+        tps = [params[r].top_p for r in live]
+        kept = [tp >= 1.0 or px > 1.0 - tp + 1e-4 for px, tp in zip(pxs, tps)]
+        check = [i for i, ok in enumerate(kept) if not ok]
         if check:
-            c = torch.tensor(check)
-            sub, pc = pr[c], px[c]
-            mass = torch.where(sub > pc, sub, 0.0).sum(-1).double()
-            for r, ok in zip(check, (mass < tp[c]).tolist()):
-                kept[r] = ok
-        picks = pick.tolist()
-        again = [r for r, ok in enumerate(kept) if not ok]
-        for r, j in enumerate(live):
-            if kept[r]:
-                out[where[j]] = picks[r]
+            sub = probs[torch.tensor([live[i] for i in check])]
+            pc = torch.tensor([pxs[i] for i in check], dtype=sub.dtype)[:, None]
+            for i, mass in zip(check, torch.where(sub > pc, sub, 0.0).sum(-1).tolist()):
+                kept[i] = mass < tps[i]
+        again = [i for i, ok in enumerate(kept) if not ok]
+        for i, r in enumerate(live):
+            if kept[i]:
+                out[where[r]] = picks[i]
         if not again:
             break
-        sel = torch.tensor(again)
-        w = pr[sel] * (pr[sel] > px[sel])
-        live = [live[r] for r in again]
+        pr = probs[torch.tensor([live[i] for i in again])]
+        w = pr * (pr > torch.tensor([pxs[i] for i in again], dtype=pr.dtype)[:, None])
+        live = [live[i] for i in again]
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
