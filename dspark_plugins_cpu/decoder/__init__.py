@@ -244,8 +244,7 @@ class OpenVINODecoder:
         out = np.full((len(limits), int(limits.max())), -1, np.int64)
         whole = self.spec.layers[0] == 0 and self.spec.last and batch.exit_layer is None
         steps = int(limits.min()) if whole and batch.rope_positions is None else 1
-        bs, vocab = self.block_size, self.spec.vocab_size
-        first_block = batch.block_indices_begins[:-1]
+        vocab = self.spec.vocab_size
 
         def argmax(logits: np.ndarray) -> np.ndarray:
             return logits[:, :vocab].argmax(1)  # no copy of the logits
@@ -256,16 +255,13 @@ class OpenVINODecoder:
             for s in range(steps):
                 if s == 0 or self.gathered:
                     nxt = self._step(kv, batch, argmax)
-                else:
+                else:  # the first step bound every input: the next ones move four of them in place
                     nxt = self._next_step(nxt, argmax)
                 out[:, s] = nxt
                 if s + 1 == steps or self._end or not stop_ids.isdisjoint(nxt.tolist()):  # not np.isin: slow
                     break
-                if self.gathered:
-                    pos = batch.positions + 1
-                    slots = batch.block_indices[first_block + pos // bs].astype(np.int64) * bs + pos % bs
-                    batch = replace(batch, input_ids=nxt, positions=pos, past_lens=batch.past_lens + 1,
-                                    slot_mapping=slots, max_context_len=batch.max_context_len + 1)
+                if self.gathered:  # its inputs are the gathered K/V, built from the batch each step
+                    batch = _advanced(batch, nxt, self.block_size)
         finally:
             with self._cancel_lock:
                 self._in_run = False
@@ -378,6 +374,15 @@ class _Releasing:
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
+
+
+def _advanced(batch: StepBatch, tokens: np.ndarray, block_size: int) -> StepBatch:
+    """``batch`` one decode step on: each sequence's next token at the next position."""
+    pos = batch.positions + 1
+    first_block = batch.block_indices_begins[:-1]
+    slots = batch.block_indices[first_block + pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return replace(batch, input_ids=tokens, positions=pos, past_lens=batch.past_lens + 1, slot_mapping=slots,
+                   max_context_len=batch.max_context_len + 1)
 
 
 def _bucketed(blocks: np.ndarray) -> np.ndarray:
