@@ -32,8 +32,8 @@ from dspark.llm.decoding import stored
 from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record, replay
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
-from dspark.llm.decoding.timing import (BUSY, CONTEXT, Bench, Contention, averaged, close_calls, contention_now,
-                                       retime, scores, shapes, time_targets)
+from dspark.llm.decoding.timing import (CONTEXT, Bench, Contention, averaged, close_calls, contention_now, retime,
+                                       scores, shapes, time_targets, was_busy)
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -429,7 +429,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
 
     def stale(cached: dict[str, Any]) -> bool:
         """Cached timings taken on a busy machine, and this start finds it quieter: timed again (timing.retime)."""
-        if (cached.get("busy") or 0.0) <= BUSY:
+        if not was_busy(cached.get("busy")):
             return False
         if not now:
             now.append(contention_now())
@@ -447,7 +447,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
                 continue
             disk.store(_NAMESPACE, _key(t, spec, names, host), cached)
             fresh.append(t)
-            if (cached.get("busy") or 0.0) > BUSY:
+            if was_busy(cached.get("busy")):
                 log.warning("llm.decoder.timed_busy", target=t.label, busy=cached["busy"],
                             note="other processes held this share of the cores while it was timed; "
                                  "a start on a quieter machine times it again")

@@ -258,8 +258,13 @@ def contention_now(window_s: float = NOW_S) -> float:
     return c.share or 0.0
 
 
+def was_busy(busy: float | None) -> bool:
+    """Whether timings were taken while other processes held more than :data:`BUSY` of the cores (an unknown
+    share, None, counts as not busy)."""
+    return busy is not None and busy > BUSY
+
+
 def retime(busy: float | None, now: float) -> bool:
     """Whether timings taken while other processes held ``busy`` of the cores are taken again at a start that
-    sees ``now``: they were busy (above :data:`BUSY`) and the machine is quieter now by half. Timings of an
-    unknown share (None) are kept."""
-    return busy is not None and busy > BUSY and now <= busy / 2
+    sees ``now``: they were busy (:func:`was_busy`) and the machine is quieter now by half."""
+    return was_busy(busy) and now <= (busy or 0.0) / 2
