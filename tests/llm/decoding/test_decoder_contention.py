@@ -69,6 +69,7 @@ def test_busy_timings_are_taken_again_at_a_quieter_start(tmp_path: Any, monkeypa
     # when a start looks at it) is set here, as the recorded timings of test_decoder_retiming.py are.
     pytest.importorskip("openvino")
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DSPARK_BUSY_RETIME", "1")  # off for the rest of the suite (tests/conftest.py)
     real_time = choose.time_targets
     timed: list[int] = []
     share = {"now": 0.0}
@@ -103,5 +104,8 @@ def test_busy_timings_are_taken_again_at_a_quieter_start(tmp_path: Any, monkeypa
 
     assert start(0.6)["busy"] == 0.6 and len(timed) == 1  # timed beside others' work: recorded as busy
     assert start(0.6)["busy"] == 0.6 and len(timed) == 1 and looked == [0.6]  # as busy now: kept
+    monkeypatch.setenv("DSPARK_BUSY_RETIME", "0")
+    assert start(0.0)["busy"] == 0.6 and len(timed) == 1 and looked == [0.6]  # turned off: kept, not looked at
+    monkeypatch.setenv("DSPARK_BUSY_RETIME", "1")
     assert start(0.2)["busy"] == 0.2 and len(timed) == 2 and looked[-1] == 0.2  # quieter by half: timed again
     assert start(0.0)["busy"] == 0.2 and len(timed) == 2 and len(looked) == 2  # not busy: kept, nothing looked at

@@ -33,7 +33,7 @@ from dspark.llm.decoding.conformance import PROBE_SCENARIO, probe_blocks, record
 from dspark.llm.decoding.runner import REFERENCE, DecoderRunner, Target
 from dspark.llm.decoding.spec import SpecWeights, float_runner, make_spec
 from dspark.llm.decoding.timing import (CONTEXT, Bench, Contention, averaged, close_calls, contention_now, retime,
-                                       scores, shapes, time_targets, was_busy)
+                                       retime_enabled, scores, shapes, time_targets, was_busy)
 from dspark.llm.device_map import chain as ranges
 from dspark.sdk.decoder import is_sequence
 
@@ -429,7 +429,7 @@ def _time(targets: list[Target], ref: Target, runner: ModelRunner, reference: Mo
 
     def stale(cached: dict[str, Any]) -> bool:
         """Cached timings taken on a busy machine, and this start finds it quieter: timed again (timing.retime)."""
-        if not was_busy(cached.get("busy")):
+        if not was_busy(cached.get("busy")) or not retime_enabled():
             return False
         if not now:
             now.append(contention_now())

@@ -11,6 +11,7 @@ Targets take turns in settled blocks, in rounds over the shapes, and the median 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -256,6 +257,13 @@ def contention_now(window_s: float = NOW_S) -> float:
     with Contention() as c:
         time.sleep(window_s)
     return c.share or 0.0
+
+
+def retime_enabled() -> bool:
+    """False with ``DSPARK_BUSY_RETIME=0`` (or ``off``, ``false``, ``no``): cached timings are kept whatever
+    the machine's load when they were taken, so every start ranks as the first did (reproducible starts: a
+    test suite on a busy machine, a benchmark). Their share is recorded either way."""
+    return os.environ.get("DSPARK_BUSY_RETIME", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def was_busy(busy: float | None) -> bool:
