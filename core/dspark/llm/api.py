@@ -107,7 +107,8 @@ class LLM:
         return list(self.engine.quant_kernels)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as held in memory (quantized layers at their packed size)."""
+        """Bytes of the weights as held in memory: the torch runner's (quantized layers at their packed size),
+        or, once a compiled decoder holds the model, what its plugin's bid said the weights take."""
         return int(self.runner.weight_bytes())
 
 

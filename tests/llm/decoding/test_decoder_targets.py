@@ -358,6 +358,10 @@ def test_a_quantized_plan_runs_natively_on_the_target(checkpoint: Any, method: s
             if done:
                 outs.append(done[0].token_ids)
     assert outs[0] == outs[1]
+    # The torch runner let go of its copy: the weights held are what the target's bid said they take.
+    float_bytes = LLMEngine.from_model(path, dtype="float32", decoder="torch").runner.weight_bytes()
+    assert e.runner.is_weightless and e.runner.weight_bytes() == e.runner.current.weight_bytes
+    assert 0 < e.runner.weight_bytes() < float_bytes / 2
     if mapped.usable():  # the plan's integers and scales are pages of the disk cache, dropped once OpenVINO packed
         dec = e.runner.current.compiled
         s = dec.spec

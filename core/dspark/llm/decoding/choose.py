@@ -180,7 +180,8 @@ def _split(host: PluginHost, inv: Inventory, runner: ModelRunner, spec: DecoderS
     runtimes = " + ".join(dict.fromkeys(devices[s.device_id].runtime for s in placed.stages()))
     return Target(chain.describe(), runtimes, chain, None, None, exit_layers=True, any_block=False,
                   note="hidden state handed over: " + ", ".join(f"{k} {v:.3f} ms" for k, v in hand.items()),
-                  device_map=placed)
+                  device_map=placed,
+                  weight_bytes=sum(p.weight_bytes for p in [placed.embed, *placed.layers, placed.head]))
 
 
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,
@@ -321,7 +322,7 @@ def _pending(bid: DecoderBid, dev: Device, host: PluginHost, spec: DecoderSpec) 
 
     return Target(f"{bid.plugin}@{bid.device_id}", bid.runtime, None, bid.plugin, dev.id,
                   exit_layers=bid.exit_layers, note=bid.note, any_block=bid.block_size is None or bid.kv == "sequence",
-                  make=make, kv=bid.kv, block=bid.block_size, precision=bid.precision)
+                  make=make, kv=bid.kv, block=bid.block_size, precision=bid.precision, weight_bytes=bid.weight_bytes)
 
 
 def _ready(t: Target, reference: ModelRunner, spec: DecoderSpec, host: PluginHost, declined: list[dict[str, str]],

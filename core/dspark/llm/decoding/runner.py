@@ -72,6 +72,7 @@ class Target:
     admitted: bool = False  # it passed the probe scenario in this process
     precision: str | None = None  # what its bid said it computes in
     device_map: Any = None  # layer ranges on several devices (a DeviceMap); None: the whole model on device_id
+    weight_bytes: int = 0  # what its bid said its weights take (DecoderBid.weight_bytes; a chain: its pieces')
 
     @property
     def is_reference(self) -> bool:
@@ -151,7 +152,11 @@ class DecoderRunner:
         return bool(getattr(self.reference, "is_weightless", False))
 
     def weight_bytes(self) -> int:
-        return int(self.reference.weight_bytes())
+        """The torch runner's weights while it holds them; once a compiled decoder holds the model (the torch
+        runner let go of its copy, or never loaded one), what the running target's bid said its weights take."""
+        if not self.is_weightless:
+            return int(self.reference.weight_bytes())
+        return int(self.current.weight_bytes)
 
     @property
     def block_size(self) -> int | None:
