@@ -221,7 +221,8 @@ def med(xs: list[float]) -> float:
 def dense_paths(model: Path, dtype: str, pool: list[Req], rounds: int) -> None:
     """(e) Where the dense parts and attention run, and whether it paid: the same requests on engines
     that differ only in that. Prefill = each of 8 prompts alone with max_tokens=1; batch 8 = 16
-    requests of 32 tokens with up to 8 in flight. Interleaved rounds, medians."""
+    requests of 32 tokens with up to 8 in flight. Interleaved rounds, medians. These are the torch runner's
+    paths: every engine here runs it (``decoder="torch"``), whatever a compiled decoder would do."""
     from dspark.llm.device_map.offload import decide_dense_offload
     from dspark.llm.device_map.torch_layers import host_and_inventory
 
@@ -231,7 +232,7 @@ def dense_paths(model: Path, dtype: str, pool: list[Req], rounds: int) -> None:
         "torch only (gather+SDPA, MKL)": dict(packed_linear="off"),
         "default (paged kernel, oneDNN)": {},
     }
-    probe = LLM(model, dtype=dtype, max_batch_size=8, packed_linear="off")
+    probe = LLM(model, dtype=dtype, max_batch_size=8, packed_linear="off", decoder="torch")
     host, inv = host_and_inventory("auto")
     dec = decide_dense_offload(probe.engine.runner, host, inv, mode="auto")
     print(f"\n(e) dense offload decision (prefill MLP bids at {dec.bucket} tokens, ms): {dec.bids}; "
@@ -241,7 +242,7 @@ def dense_paths(model: Path, dtype: str, pool: list[Req], rounds: int) -> None:
     del probe
     llms = {}
     for name, kw in configs.items():
-        llms[name] = LLM(model, dtype=dtype, max_batch_size=8, **kw)
+        llms[name] = LLM(model, dtype=dtype, max_batch_size=8, decoder="torch", **kw)
         if kw.get("packed_linear") == "off":
             llms[name].engine.runner.attention = "torch"
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

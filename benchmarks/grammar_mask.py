@@ -218,10 +218,10 @@ def warm(lib: Any, res: dict[str, dict[str, Any]], tokens: dict[str, list[int]],
 def run_constraint(tokens: dict[str, list[int]], reps: int) -> dict[str, float]:
     """The chosen library through dspark's Constraint: allowed() (bool tensor) + accept(), per token."""
     from dataclasses import dataclass
-    from types import SimpleNamespace
 
     from tokenizers import Tokenizer
 
+    from dspark.llm.inputs import InputProcessor
     from dspark.llm.structured import build_constraint
 
     @dataclass(frozen=True)
@@ -229,15 +229,16 @@ def run_constraint(tokens: dict[str, list[int]], reps: int) -> dict[str, float]:
         kind: str
         value: str | None
 
-    engine = SimpleNamespace(tokenizer=Tokenizer.from_file(str(TOKENIZER)), model_path=TOKENIZER.parent,
-                             runner=SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB)), eos_ids={EOS})
+    # An engine's own input processor for the tokenizer (what build_constraint keeps its tables for).
+    inputs = InputProcessor(tokenizer=Tokenizer.from_file(str(TOKENIZER)), vocab_size=VOCAB, bos_token_id=None,
+                            eos_ids=frozenset({EOS}), max_model_len=1024, kv_tokens=1024)
     res = {}
     for case, (kind, src, _doc) in CASES.items():
         value = None if src is None else (src if isinstance(src, str) else json.dumps(src))
-        build_constraint(engine, Spec(kind, value))  # compile once, as the LRU would
+        build_constraint(inputs, Spec(kind, value))  # compile once, as the LRU would
         per_tok: list[float] = []
         for _ in range(reps):
-            c = build_constraint(engine, Spec(kind, value))
+            c = build_constraint(inputs, Spec(kind, value))
             for tok in tokens[case]:
                 t0 = time.perf_counter_ns()
                 allowed = c.allowed()
