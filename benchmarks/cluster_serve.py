@@ -142,7 +142,10 @@ def autoscale(cluster: LocalCluster, out: Path, reqs: list[BenchRequest], base: 
         looped = (reqs * 8)[:400]
         res = run(replace(base, url=url, concurrency=64, timeout_s=120), looped)
         t_idle = time.perf_counter()
-        time.sleep(45)  # downscale delay 10 s, plus the replica's graceful shutdown and the registry's staleness
+        # Back to one replica: the downscale delay (10 s), the replica's graceful shutdown and the registry's
+        # staleness; waited for, up to two minutes, not slept through.
+        while time.perf_counter() - t_idle < 120 and not any(ts >= t_idle and n == 1 for ts, n in list(counts)):
+            time.sleep(0.5)
         stop.set()
         t.join(5)
     finally:
