@@ -432,6 +432,10 @@ def test_a_model_no_device_holds_runs_as_layer_ranges_across_devices() -> None:
                                                           [s.end for s in stages], strict=True))
     assert stages[-1].end == e0.runner.cfg.num_hidden_layers and chain["label"] == placed.describe()
     assert (placed.embed.device_id, placed.head.device_id) == (stages[0].device_id, stages[-1].device_id)
+    # The weights the ranges hold: every piece's, as the placer sized them (the torch runner's copy is gone).
+    held = e.runner.weight_bytes()
+    assert e.runner.is_weightless and held == sum(placed.device_bytes().values()) - sum(
+        p.kv_bytes for p in [placed.embed, *placed.layers, placed.head]) > 0
     ref = _run(_engine("torch", max_batch_size=8), _greedy(16))
     got = _run(e, _greedy(16))
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in ref.items()}

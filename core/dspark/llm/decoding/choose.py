@@ -180,8 +180,7 @@ def _split(host: PluginHost, inv: Inventory, runner: ModelRunner, spec: DecoderS
     runtimes = " + ".join(dict.fromkeys(devices[s.device_id].runtime for s in placed.stages()))
     return Target(chain.describe(), runtimes, chain, None, None, exit_layers=True, any_block=False,
                   note="hidden state handed over: " + ", ".join(f"{k} {v:.3f} ms" for k, v in hand.items()),
-                  device_map=placed,
-                  weight_bytes=sum(p.weight_bytes for p in [placed.embed, *placed.layers, placed.head]))
+                  device_map=placed, weight_bytes=placed.weight_bytes())
 
 
 def choose_decoder(runner: ModelRunner, path: Path, cfg: EngineConfig, *, host: PluginHost, inv: Inventory,

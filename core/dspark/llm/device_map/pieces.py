@@ -75,6 +75,10 @@ class DeviceMap:
         """Every device a piece runs on, the CPU first."""
         return sorted({p.device_id for p in [self.embed, *self.layers, self.head]}, key=lambda d: (d != "cpu", d))
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights of every piece, wherever it runs."""
+        return sum(p.weight_bytes for p in [self.embed, *self.layers, self.head])
+
     def device_bytes(self) -> dict[str, int]:
         """Bytes (weights + KV) each device must hold under this map."""
         out: dict[str, int] = {}
