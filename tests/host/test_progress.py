@@ -70,10 +70,15 @@ def test_an_engine_start_reports_its_stages_in_order(tmp_path: Path, monkeypatch
     with progress.showing(seen.append):
         e: Any = LLMEngine.from_model(MODEL, dtype="float32", decoder="auto", plugin_host=host, max_batch_size=4,
                                       speculative_decoding={"drafters": ["prompt-lookup"]})
-    assert e.decoder_choice is not None and e.decoder_choice.chosen == "cpu@cpu", e.decoder_choice
+    # Which decoder wins is measured, and a busy machine can tip it: the stages are the same up to the timing,
+    # and the winner is compiled again only when it is not the torch runner.
+    choice = e.decoder_choice
+    assert choice is not None and choice.chosen in {"cpu@cpu", "torch"}, choice
     want = ["reading stdlib-llama", "asking the plugins for a decoder", "stdlib-llama: compiling cpu@cpu",
             "stdlib-llama: checking cpu@cpu's outputs", "stdlib-llama: timing cpu@cpu",
-            "stdlib-llama: compiling cpu@cpu", "preparing the drafters",
+            *(["stdlib-llama: compiling cpu@cpu"] if choice.chosen == "cpu@cpu" else []), "preparing the drafters",
             "timing verification and drafters (DeepSpec's cost models)"]
     it = iter(seen)
     assert all(w in it for w in want), seen  # in this order, whatever else comes between
+    if choice.chosen == "torch":
+        assert seen.count("stdlib-llama: compiling cpu@cpu") == 1, seen  # a loser is not compiled again
