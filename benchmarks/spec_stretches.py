@@ -113,8 +113,8 @@ class Stretches:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--decoder", default="cpu", help="EngineConfig.decoder (default cpu: OpenVINO, as the spec "
-                    "row's DeepSpec runs on this project's machines)")
+    ap.add_argument("--decoder", default="cpu", help="EngineConfig.decoder (default cpu: OpenVINO; the spec row "
+                    "runs on the decoder the engine measures fastest: llamacpp on some CPUs)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -180,6 +180,11 @@ def main() -> None:
         print(f"\ncopy runs' verification steps: {med.get('verification steps', 0):.0f}; a run's first "
               f"{first / nf:.3f} ms ({nf:.0f}), its later ones {later / nl:.3f} ms ({nl:.0f}); "
               f"the stretch choice {med.get('choice ms', 0):.1f} ms")
+    # What the stretch choice prices a lone sequence's step at after the last round (learned where a copy or
+    # greedy run measured it, else the startup calibration's model): why it takes copy runs or not.
+    step_ms = spec_llm.engine.spec._step_ms
+    print("a lone step by rows, as DeepSpec prices it: "
+          + ", ".join(f"{r} {step_ms(r):.2f} ms" for r in (1, 2, 3, 4, 6, 8)))
 
 
 if __name__ == "__main__":
