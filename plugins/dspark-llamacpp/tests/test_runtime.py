@@ -306,6 +306,60 @@ def test_repacked_weights_leave_the_files_pages_they_came_from(tmp_path: Path,
     assert int(got.argmax()) == int(stored.argmax()) and np.allclose(got, stored, atol=1e-2)
 
 
+def _bf16_steps(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A 70-token prompt's logits, then steps of 1, 2, 3, 5 and 9 rows after it, each against the same rows
+    decoded one at a time (the step rolled back in between): [(rows, rows alone), ...], the prompt's first."""
+    toks = np.random.default_rng(1).integers(3, VOCAB, 79).astype(np.int32)
+    model = runtime.Model(path)
+    ctx = runtime.Context(model, n_ctx=256, n_seq_max=1, n_batch=128, threads=2, kv_dtype="float16")
+    prompt = ctx.decode(np.zeros(70, np.int32), toks[:70], np.arange(70, dtype=np.int32), np.ones(70, np.int8))
+    out = [(prompt, prompt)]
+    for n in (1, 2, 3, 5, 9):
+        pos = np.arange(70, 70 + n, dtype=np.int32)
+        rows = ctx.decode(np.zeros(n, np.int32), toks[70:70 + n], pos, np.ones(n, np.int8))
+        ctx.drop(0, 70)
+        alone = np.concatenate([ctx.decode(np.zeros(1, np.int32), toks[p:p + 1], pos[i:i + 1], np.ones(1, np.int8))
+                                for i, p in enumerate(range(70, 70 + n))])
+        ctx.drop(0, 70)
+        out.append((rows, alone))
+    ctx.close()
+    model.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Rows of 64 and 192 with 16, 32, 64 and 96 rows a matrix: the packed kernels' tiles of 4 and of 1 blocks of
+    # 16 rows, split over two threads; 70 prompt rows: two blocks of activation rows, tiles of 4, 2 and 1 rows.
+    return tiny.write(tmp_path_factory.mktemp("bf16") / "tiny-bf16.gguf", hidden=64, ff=192, vocab=VOCAB,
+                      layers=LAYERS, heads=4, kv_heads=2, qtype="BF16", embd_qtype="BF16")
+
+
+def test_bf16_matrices_repacked_give_the_logits_of_the_weights_as_stored(bf16_file: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")
+    stored = _bf16_steps(bf16_file)
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
+    packed = _bf16_steps(bf16_file)
+    for (a, _), (b, _) in zip(stored, packed):
+        # Sums in another order round to another bfloat16 now and then on the way: close, not equal.
+        np.testing.assert_allclose(b, a, atol=0.05)
+        assert (b.argmax(1) == a.argmax(1)).all()
+
+
+def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_is_packed(
+        bf16_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The project's build packs BF16 matrices for outer products where it targets AVX512-BF16
+    # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch): each output is summed in one order
+    # whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The kernels
+    # as shipped sum one row and several rows differently.
+    if "AVX512_BF16 = 1" not in runtime.system_info():
+        pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
+    monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
+    for rows, alone in _bf16_steps(bf16_file)[1:]:
+        np.testing.assert_array_equal(rows, alone)
+
+
 def test_extra_buffer_types_follow_the_cpu_the_amx_probe_and_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DSPARK_LLAMACPP_EXTRA_BUFTS", raising=False)
     facts = {"isa_features": ["avx2", "avx512f"]}

@@ -56,9 +56,26 @@ def init() -> None:
 
 
 def version() -> str:
+    """The binding's version and its build: the first characters of the CPU library's hash in the wheel's RECORD
+    (the project builds the wheel from the sdist with its own patches, scripts/llamacpp_wheel.sh; the engine keeps
+    decoder timings and probe verdicts per runtime version, so a rebuilt library is timed and checked again)."""
     import llama_cpp
 
-    return f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
+    return f"llama.cpp (llama-cpp-python {llama_cpp.__version__}{_build()})"
+
+
+def _build() -> str:
+    from importlib import metadata
+
+    try:
+        record = metadata.distribution("llama_cpp_python").read_text("RECORD") or ""
+    except metadata.PackageNotFoundError:
+        return ""
+    for line in record.splitlines():
+        name, _, rest = line.partition(",")
+        if name.endswith("/libggml-cpu.so") and rest.startswith("sha256="):
+            return f", build {rest[7:15]}"
+    return ""
 
 
 def system_info() -> str:

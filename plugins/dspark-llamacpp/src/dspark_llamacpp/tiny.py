@@ -9,9 +9,10 @@ import numpy as np
 
 
 def write(path: Path, *, hidden: int = 64, ff: int = 128, vocab: int = 96, layers: int = 2, heads: int = 4,
-          kv_heads: int = 2, qtype: str = "F32") -> Path:
+          kv_heads: int = 2, qtype: str = "F32", embd_qtype: str = "F32") -> Path:
     """A Llama of random weights (seeded) at ``path``; ``qtype``: the matrices' type, ``F32`` or one the gguf
-    package quantizes (``Q8_0``, ``Q4_0``, ...); embeddings and norms stay F32."""
+    package quantizes (``Q8_0``, ``Q4_0``, ``BF16``, ...); ``embd_qtype``: the token embeddings' (the output
+    layer is tied to them); norms stay F32."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[qtype]
@@ -33,14 +34,14 @@ def write(path: Path, *, hidden: int = 64, ff: int = 128, vocab: int = 96, layer
     w.add_token_merges(["t 1"])  # llama.cpp requires merges for a gpt2 vocabulary
     hd = hidden // heads
 
-    def matrix(name: str, rows: int, cols: int) -> None:
+    def matrix(name: str, rows: int, cols: int, as_: gguf.GGMLQuantizationType = kind) -> None:
         a = (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
-        if kind == gguf.GGMLQuantizationType.F32:
+        if as_ == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+            w.add_tensor(name, gguf.quants.quantize(a, as_), raw_dtype=as_)
 
-    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.2).astype(np.float32))
+    matrix("token_embd.weight", vocab, hidden, gguf.GGMLQuantizationType[embd_qtype])
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
