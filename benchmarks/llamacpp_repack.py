@@ -1,11 +1,13 @@
 """llama.cpp's repacked weights (its extra CPU buffer types) against the file's weights as stored, through the
-llamacpp plugin's own ``Context``: the time of a decode step of 1, 8 and 32 rows, and the memory a loaded model
-holds and peaks at (the plugin releases the file's pages of repacked tensors as it loads).
+llamacpp plugin's own ``Context``: the time of a decode step of 1, 8 and 32 rows, of a step of 1, 2, 5 and 9 rows
+of one sequence (a verification step of 0, 1, 4 and 8 drafted tokens), and the memory a loaded model holds and
+peaks at (the plugin releases the file's pages of repacked tensors as it loads).
 
 Usage: .venv/bin/python benchmarks/llamacpp_repack.py [GGUF] [--rounds 3] [--threads 2]
 
 Default file: the 0.5B random Llama's Q4_K_M that benchmarks/vs_llamacpp.py writes. 32 sequences of 96 prompt
-tokens share one cache; each row count then decodes 30 steps (the first 3 untimed). Each side runs in its own
+tokens share one cache; each row count then decodes 30 steps (the first 3 untimed); one sequence of 96 tokens in
+a cache of its own then takes 30 steps of each row count, each rolled back after it. Each side runs in its own
 process (OpenMP workers spin between calls), sides alternating, ``--rounds`` rounds; medians of the rounds'
 medians. Ratios are repacked / as stored (< 1: repacking faster or smaller).
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT = HERE / "out" / "llamacpp" / "files" / "random-0.5b-q4_k_m.gguf"
 ROWS = (1, 8, 32)
+VERIFY = (1, 2, 5, 9)  # rows of one sequence's steps
 
 
 def _mb(field: str) -> float:
@@ -55,6 +58,20 @@ def child(path: str, threads: int) -> dict[str, float]:
             times.append(time.perf_counter() - t)
             pos[:n] += 1
         out[f"rows_{n}_ms"] = statistics.median(times[3:]) * 1e3
+    # One sequence alone: steps of 1 + k rows at the end of a 96-token prompt, rolled back after each (a
+    # verification step of k drafted tokens, as DeepSpec takes one request at a time).
+    one = runtime.Context(model, n_ctx=512, n_seq_max=1, n_batch=512, threads=threads)
+    one.decode(np.zeros(96, np.int32), np.arange(96, dtype=np.int32) % 5000 + 5, np.arange(96, dtype=np.int32),
+               np.eye(1, 96, 95, dtype=bool)[0])
+    for n in VERIFY:
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            one.decode(np.zeros(n, np.int32), np.full(n, 7, np.int32), np.arange(96, 96 + n, dtype=np.int32),
+                       np.ones(n, bool))
+            times.append(time.perf_counter() - t)
+            one.drop(0, 96)
+        out[f"one_seq_{n}_rows_ms"] = statistics.median(times[3:]) * 1e3
     return out
 
 
@@ -82,9 +99,11 @@ def main() -> None:
             print(f"round {r + 1} {'repacked' if side == '1' else 'as stored'}: {res[side][-1]}", flush=True)
     print(f"\n{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds (medians)\n")
     print("| measure | repacked | as stored | repacked / as stored |\n|---|---|---|---|")
-    for key in (*[f"rows_{n}_ms" for n in ROWS], "load_held_mb", "load_peak_mb"):
+    for key in (*[f"rows_{n}_ms" for n in ROWS], *[f"one_seq_{n}_rows_ms" for n in VERIFY], "load_held_mb",
+                "load_peak_mb"):
         a, b = (statistics.median(x[key] for x in res[s]) for s in ("1", "0"))
-        print(f"| {key} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+        f = ".2f" if key.endswith("_ms") else ".1f"
+        print(f"| {key} | {a:{f}} | {b:{f}} | {a / b:.2f} |")
 
 
 if __name__ == "__main__":
