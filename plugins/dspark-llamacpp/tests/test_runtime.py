@@ -329,8 +329,9 @@ def _bf16_steps(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def bf16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Rows of 64 and 192 with 16, 32, 64 and 96 rows a matrix: the packed kernels' tiles of 4 and of 1 blocks of
-    # 16 rows, split over two threads; 70 prompt rows: two blocks of activation rows, tiles of 4, 2 and 1 rows.
+    # Matrices of 32, 64, 96 and 192 rows (2 to 12 blocks of 16) over rows of 64 and 192: the packed kernels'
+    # tiles of 4 blocks and of 1, split over two threads; 70 prompt rows: two blocks of activation rows, tiles of
+    # 4, 2 and 1 of them.
     return tiny.write(tmp_path_factory.mktemp("bf16") / "tiny-bf16.gguf", hidden=64, ff=192, vocab=VOCAB,
                       layers=LAYERS, heads=4, kv_heads=2, qtype="BF16", embd_qtype="BF16")
 
