@@ -352,8 +352,8 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_i
         bf16_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The project's build packs BF16 matrices for outer products where it targets AVX512-BF16
     # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch): each output is summed in one order
-    # whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The kernels
-    # as shipped sum one row and several rows differently.
+    # whatever the step's rows, so here, where the attention sums one row and several alike, a verified draft's
+    # logits are those of its token decoded alone. The kernels as shipped sum one row and several differently.
     if "AVX512_BF16 = 1" not in runtime.system_info():
         pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
