@@ -61,8 +61,9 @@ def child(path: str, threads: int) -> dict[str, float]:
     # One sequence alone: steps of 1 + k rows at the end of a 96-token prompt, rolled back after each (a
     # verification step of k drafted tokens, as DeepSpec takes one request at a time).
     one = runtime.Context(model, n_ctx=512, n_seq_max=1, n_batch=512, threads=threads)
-    one.decode(np.zeros(96, np.int32), np.arange(96, dtype=np.int32) % 5000 + 5, np.arange(96, dtype=np.int32),
-               np.eye(1, 96, 95, dtype=bool)[0])
+    last = np.zeros(96, bool)
+    last[-1] = True
+    one.decode(np.zeros(96, np.int32), np.arange(96, dtype=np.int32) % 5000 + 5, np.arange(96, dtype=np.int32), last)
     for n in VERIFY:
         times = []
         for _ in range(30):

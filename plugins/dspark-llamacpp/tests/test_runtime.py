@@ -306,14 +306,14 @@ def test_repacked_weights_leave_the_files_pages_they_came_from(tmp_path: Path,
     assert int(got.argmax()) == int(stored.argmax()) and np.allclose(got, stored, atol=1e-2)
 
 
-def _bf16_steps(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """A 70-token prompt's logits, then steps of 1, 2, 3, 5 and 9 rows after it, each against the same rows
-    decoded one at a time (the step rolled back in between): [(rows, rows alone), ...], the prompt's first."""
+def _bf16_steps(path: Path) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """A 70-token prompt's logits, and steps of 1, 2, 3, 5 and 9 rows after it, each with the same rows decoded
+    one at a time (the step rolled back in between): (prompt, [(rows, rows alone), ...])."""
     toks = np.random.default_rng(1).integers(3, VOCAB, 79).astype(np.int32)
     model = runtime.Model(path)
     ctx = runtime.Context(model, n_ctx=256, n_seq_max=1, n_batch=128, threads=2, kv_dtype="float16")
     prompt = ctx.decode(np.zeros(70, np.int32), toks[:70], np.arange(70, dtype=np.int32), np.ones(70, np.int8))
-    out = [(prompt, prompt)]
+    out = []
     for n in (1, 2, 3, 5, 9):
         pos = np.arange(70, 70 + n, dtype=np.int32)
         rows = ctx.decode(np.zeros(n, np.int32), toks[70:70 + n], pos, np.ones(n, np.int8))
@@ -324,7 +324,7 @@ def _bf16_steps(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
         out.append((rows, alone))
     ctx.close()
     model.close()
-    return out
+    return prompt, out
 
 
 @pytest.fixture(scope="module")
@@ -339,10 +339,13 @@ def bf16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_bf16_matrices_repacked_give_the_logits_of_the_weights_as_stored(bf16_file: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")
-    stored = _bf16_steps(bf16_file)
+    prompt, steps = _bf16_steps(bf16_file)
+    stored = [prompt, *(rows for rows, _ in steps)]
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
-    packed = _bf16_steps(bf16_file)
-    for (a, _), (b, _) in zip(stored, packed):
+    prompt, steps = _bf16_steps(bf16_file)
+    packed = [prompt, *(rows for rows, _ in steps)]
+    assert len(stored) == len(packed) == 6
+    for a, b in zip(stored, packed):
         # Sums in another order round to another bfloat16 now and then on the way: close, not equal.
         np.testing.assert_allclose(b, a, atol=0.05)
         assert (b.argmax(1) == a.argmax(1)).all()
@@ -357,7 +360,8 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_i
     if "AVX512_BF16 = 1" not in runtime.system_info():
         pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
-    for rows, alone in _bf16_steps(bf16_file)[1:]:
+    _, steps = _bf16_steps(bf16_file)
+    for rows, alone in steps:
         np.testing.assert_array_equal(rows, alone)
 
 
