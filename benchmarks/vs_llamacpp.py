@@ -32,7 +32,8 @@ Workloads (``--only``):
 Settings on both sides: ``--threads`` (llama.cpp ``n_threads`` = ``n_threads_batch``, dspark's torch
 threads, which the llamacpp plugin's contexts take), the KV cache as the llamacpp plugin holds it for the
 dtype dspark computes the file in (f32 for float32, f16 for bfloat16; llama-server ``-ctk``/``-ctv`` the
-same) and flash attention off (the plugin's setting; llama-server ``-fa off``),
+same) and flash attention as the plugin runs it for that KV (on over f16, off over f32; llama-server
+``-fa on|off``),
 greedy, EOS ignored. llama.cpp's extra CPU buffer types (repacked weights): the plugin repacks for
 engines of up to 8 sequences, on AMX CPUs for every engine where its AMX probe passes (the plugin's
 README), llama.cpp alone as the plugin would for one sequence,
@@ -222,7 +223,7 @@ def child_llamacpp_single(spec: dict[str, Any]) -> dict[str, Any]:
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 1024, 512, 512, 1
     cp.n_threads = cp.n_threads_batch = spec["threads"]
     cp.type_k = cp.type_v = KV_TYPES[spec["kv_dtype"]][1]
-    cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if spec["flash_attn"] else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = C.llama_init_from_model(model, cp)
     mem = C.llama_get_memory(ctx)
     n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(model))
@@ -282,6 +283,14 @@ def kv_dtype(file: str) -> str:
     return plugin_kv(str(tensor_dtype(g.cfg, DTYPE, blocks=block_types(g.stored))).removeprefix("torch."))
 
 
+def flash_attn(kv: str) -> bool:
+    """Whether the llamacpp plugin runs llama.cpp's flash attention over K and V held in ``kv``: the peers do
+    the same."""
+    from dspark_llamacpp import flash_attn as plugin_fa
+
+    return bool(plugin_fa(kv))
+
+
 def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool,
                   kv: str = "float32") -> tuple[subprocess.Popen[bytes], int, str]:
     port = _free_port()
@@ -303,7 +312,7 @@ def _start_server(kind: str, file: str, batch: int, threads: int, spec: bool,
         binary = OUT / "server-build" / "bin" / "llama-server"
         cmd = [str(binary), "-m", file, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
                str(threads), "-c", str(1024 * batch), "-np", str(batch), "-ctk", KV_TYPES[kv][0], "-ctv",
-               KV_TYPES[kv][0], "-fa", "off",
+               KV_TYPES[kv][0], "-fa", "on" if flash_attn(kv) else "off",
                "-b", "512", "-ub", "512", "--no-webui"] + ([] if REPACK else ["--no-repack"])
         if spec:
             cmd += ["-md", str(FILES / DRAFT), "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
@@ -499,7 +508,7 @@ def main() -> None:
                     if w == "single":
                         res = run_child(side, {"file": file, "prompts": ps, "warm": warm[0], "new": new,
                                                "threads": args.threads, "extra_bufts": extra, "dtype": DTYPE,
-                                               "kv_dtype": kv})
+                                               "kv_dtype": kv, "flash_attn": flash_attn(kv)})
                     else:
                         batch = 1 if w == "spec" else int(w.removeprefix("serve"))
                         res = run_server_contender("dspark" if side == "dspark" else "llama", file, ps, new, batch,

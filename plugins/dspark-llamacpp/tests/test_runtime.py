@@ -306,25 +306,28 @@ def test_repacked_weights_leave_the_files_pages_they_came_from(tmp_path: Path,
     assert int(got.argmax()) == int(stored.argmax()) and np.allclose(got, stored, atol=1e-2)
 
 
-def _bf16_steps(path: Path) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-    """A 70-token prompt's logits, and steps of 1, 2, 3, 5 and 9 rows after it, each with the same rows decoded
-    one at a time (the step rolled back in between): (prompt, [(rows, rows alone), ...])."""
-    toks = np.random.default_rng(1).integers(3, VOCAB, 79).astype(np.int32)
+def _bf16_steps(path: Path, prompt: int = 70) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """A ``prompt``-token prompt's logits, and steps of 1, 2, 3, 5 and 9 rows after it, each with the same rows
+    decoded one at a time (the step rolled back in between): (prompt, [(rows, rows alone), ...]). K and V in
+    f16 with flash attention, as the plugin holds a bfloat16 engine's."""
+    toks = np.random.default_rng(1).integers(3, VOCAB, prompt + 9).astype(np.int32)
     model = runtime.Model(path)
-    ctx = runtime.Context(model, n_ctx=256, n_seq_max=1, n_batch=128, threads=2, kv_dtype="float16")
-    prompt = ctx.decode(np.zeros(70, np.int32), toks[:70], np.arange(70, dtype=np.int32), np.ones(70, np.int8))
+    ctx = runtime.Context(model, n_ctx=256 if prompt + 9 <= 256 else 512, n_seq_max=1, n_batch=128, threads=2,
+                          kv_dtype="float16", flash_attn=plugin.flash_attn("float16"))
+    first = ctx.decode(np.zeros(prompt, np.int32), toks[:prompt], np.arange(prompt, dtype=np.int32),
+                       np.ones(prompt, np.int8))
     out = []
     for n in (1, 2, 3, 5, 9):
-        pos = np.arange(70, 70 + n, dtype=np.int32)
-        rows = ctx.decode(np.zeros(n, np.int32), toks[70:70 + n], pos, np.ones(n, np.int8))
-        ctx.drop(0, 70)
+        pos = np.arange(prompt, prompt + n, dtype=np.int32)
+        rows = ctx.decode(np.zeros(n, np.int32), toks[prompt:prompt + n], pos, np.ones(n, np.int8))
+        ctx.drop(0, prompt)
         alone = np.concatenate([ctx.decode(np.zeros(1, np.int32), toks[p:p + 1], pos[i:i + 1], np.ones(1, np.int8))
-                                for i, p in enumerate(range(70, 70 + n))])
-        ctx.drop(0, 70)
+                                for i, p in enumerate(range(prompt, prompt + n))])
+        ctx.drop(0, prompt)
         out.append((rows, alone))
     ctx.close()
     model.close()
-    return prompt, out
+    return first, out
 
 
 @pytest.fixture(scope="module")
@@ -351,16 +354,18 @@ def test_bf16_matrices_repacked_give_the_logits_of_the_weights_as_stored(bf16_fi
         assert (b.argmax(1) == a.argmax(1)).all()
 
 
+@pytest.mark.parametrize("prompt", [70, 300], ids=["under-256-cells", "over-256-cells"])
 def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_is_packed(
-        bf16_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bf16_file: Path, monkeypatch: pytest.MonkeyPatch, prompt: int) -> None:
     # The project's build packs BF16 matrices for outer products where it targets AVX512-BF16
-    # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch): each output is summed in one order
-    # whatever the step's rows, so here, where the attention sums one row and several alike, a verified draft's
-    # logits are those of its token decoded alone. The kernels as shipped sum one row and several differently.
+    # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch), and runs a lone row's flash attention
+    # through the per-row kernel past 256 cells too (4-flash-attn-row-order.patch): each output is summed in one
+    # order whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The
+    # kernels as shipped sum one row and several differently.
     if "AVX512_BF16 = 1" not in runtime.system_info():
         pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
-    _, steps = _bf16_steps(bf16_file)
+    _, steps = _bf16_steps(bf16_file, prompt)
     for rows, alone in steps:
         np.testing.assert_array_equal(rows, alone)
 

@@ -87,6 +87,14 @@ def kv_dtype(engine_dtype: str) -> str:
     return "float32" if engine_dtype == "float32" else "float16"
 
 
+def flash_attn(kv: str) -> bool:
+    """Whether llama.cpp's flash attention runs over K and V held in ``kv``: over f16 (llama.cpp's own
+    default there) it is faster at every step shape and keeps a row's logits whatever rows share its step
+    (scripts/patches/llama-cpp-python-0.3.36/4-flash-attn-row-order.patch); over f32 it is no faster, and the
+    float32 engine keeps the torch runner's logits with the plain attention."""
+    return kv == "float16"
+
+
 def _kv_bytes_per_token(spec: DecoderSpec) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (4 if kv_dtype(spec.dtype) == "float32" else 2)
 
@@ -189,7 +197,8 @@ class LlamaDecoder:
             max_seqs * per_seq, num_tokens, self.kv_bytes_per_token, hostinfo.memory()[1])))
         n_ctx = max_seqs * per_seq if split else num_tokens
         return _runtime().Context(self.model, n_ctx=n_ctx, n_seq_max=max_seqs, n_batch=self.n_batch,
-                                  threads=self.threads, unified=not split, kv_dtype=self.kv_dtype)
+                                  threads=self.threads, unified=not split, kv_dtype=self.kv_dtype,
+                                  flash_attn=flash_attn(self.kv_dtype))
 
     def step(self, kv: Any, batch: SeqBatch) -> np.ndarray:
         if batch.exit_layer is not None:
