@@ -306,14 +306,16 @@ def test_repacked_weights_leave_the_files_pages_they_came_from(tmp_path: Path,
     assert int(got.argmax()) == int(stored.argmax()) and np.allclose(got, stored, atol=1e-2)
 
 
-def _bf16_steps(path: Path, prompt: int = 70) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+def _bf16_steps(path: Path, prompt: int = 70, kv: str = "float16",
+                flash: bool = True) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     """A ``prompt``-token prompt's logits, and steps of 1, 2, 3, 5 and 9 rows after it, each with the same rows
     decoded one at a time (the step rolled back in between): (prompt, [(rows, rows alone), ...]). K and V in
-    f16 with flash attention, as the plugin holds a bfloat16 engine's."""
+    ``kv``, with flash attention where the plugin runs it (f16, as it holds a bfloat16 engine's) unless
+    ``flash`` is off."""
     toks = np.random.default_rng(1).integers(3, VOCAB, prompt + 9).astype(np.int32)
     model = runtime.Model(path)
     ctx = runtime.Context(model, n_ctx=256 if prompt + 9 <= 256 else 512, n_seq_max=1, n_batch=128, threads=2,
-                          kv_dtype="float16", flash_attn=plugin.flash_attn("float16"))
+                          kv_dtype=kv, flash_attn=flash and plugin.flash_attn(kv))
     first = ctx.decode(np.zeros(prompt, np.int32), toks[:prompt], np.arange(prompt, dtype=np.int32),
                        np.ones(prompt, np.int8))
     out = []
@@ -334,9 +336,18 @@ def _bf16_steps(path: Path, prompt: int = 70) -> tuple[np.ndarray, list[tuple[np
 def bf16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Matrices of 32, 64, 96 and 192 rows (2 to 12 blocks of 16) over rows of 64 and 192: the packed kernels'
     # tiles of 4 blocks and of 1, split over two threads; 70 prompt rows: two blocks of activation rows, tiles of
-    # 4, 2 and 1 of them.
+    # 4, 2 and 1 of them. Heads of 16: flash attention's per-row kernel.
     return tiny.write(tmp_path_factory.mktemp("bf16") / "tiny-bf16.gguf", hidden=64, ff=192, vocab=VOCAB,
                       layers=LAYERS, heads=4, kv_heads=2, qtype="BF16", embd_qtype="BF16")
+
+
+@pytest.fixture(scope="module")
+def bf16_heads64_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Heads of 64, two query heads to a KV head: the project's build runs steps of fewer than 64 rows through
+    # flash attention's grouped kernel (scripts/patches/llama-cpp-python-0.3.36/5-flash-attn-grouped-rows.patch)
+    # where it targets AVX-512.
+    return tiny.write(tmp_path_factory.mktemp("bf16h64") / "tiny-bf16-h64.gguf", hidden=128, ff=192, vocab=VOCAB,
+                      layers=LAYERS, heads=2, kv_heads=1, qtype="BF16", embd_qtype="BF16")
 
 
 def test_bf16_matrices_repacked_give_the_logits_of_the_weights_as_stored(bf16_file: Path,
@@ -354,20 +365,43 @@ def test_bf16_matrices_repacked_give_the_logits_of_the_weights_as_stored(bf16_fi
         assert (b.argmax(1) == a.argmax(1)).all()
 
 
+@pytest.mark.parametrize("heads", ["heads-16", "heads-64"])
 @pytest.mark.parametrize("prompt", [70, 300], ids=["under-256-cells", "over-256-cells"])
 def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_is_packed(
-        bf16_file: Path, monkeypatch: pytest.MonkeyPatch, prompt: int) -> None:
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, prompt: int, heads: str) -> None:
     # The project's build packs BF16 matrices for outer products where it targets AVX512-BF16
-    # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch), and runs a lone row's flash attention
-    # through the per-row kernel past 256 cells too (4-flash-attn-row-order.patch): each output is summed in one
-    # order whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The
-    # kernels as shipped sum one row and several differently.
+    # (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch), runs a lone row's flash attention
+    # through the per-row kernel past 256 cells too (4-flash-attn-row-order.patch), and a few rows' over heads of
+    # 64 through the grouped kernel (5-flash-attn-grouped-rows.patch): each output is summed in one order
+    # whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The kernels
+    # as shipped sum one row and several differently.
     if "AVX512_BF16 = 1" not in runtime.system_info():
         pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
+    path = request.getfixturevalue("bf16_file" if heads == "heads-16" else "bf16_heads64_file")
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
-    _, steps = _bf16_steps(bf16_file, prompt)
+    _, steps = _bf16_steps(path, prompt)
     for rows, alone in steps:
         np.testing.assert_array_equal(rows, alone)
+
+
+@pytest.mark.parametrize("heads", ["heads-16", "heads-64"])
+def test_flash_attention_comes_as_close_to_f32_attention_as_plain_attention(request: pytest.FixtureRequest,
+                                                                            heads: str) -> None:
+    # Flash attention over f16 K and V (the per-row kernel over heads of 16, the grouped one over heads of 64
+    # where the build targets AVX-512) and llama.cpp's attention as separate products and a softmax over the
+    # same f16 K and V, each against the latter over f32 K and V: the prompt's rows (two chunks of 128 through
+    # the tiled kernel, the last 44 through the few-row one) and every step's. The f16 roundings put both off
+    # the f32 logits by about 1e-2 on average; a kernel that dropped or double-counted cells would be far off.
+    path = request.getfixturevalue("bf16_file" if heads == "heads-16" else "bf16_heads64_file")
+
+    def parts(kv: str, flash: bool) -> list[np.ndarray]:
+        prompt, steps = _bf16_steps(path, 300, kv, flash)
+        return [prompt, *(rows for rows, _ in steps)]
+
+    f32 = parts("float32", False)
+    for flash, plain, ref in zip(parts("float16", True), parts("float16", False), f32):
+        err_flash, err_plain = float(np.abs(flash - ref).mean()), float(np.abs(plain - ref).mean())
+        assert err_flash <= 2 * err_plain, (err_flash, err_plain)
 
 
 def test_extra_buffer_types_follow_the_cpu_the_amx_probe_and_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
