@@ -143,8 +143,8 @@ def gguf_for(spec: DecoderSpec) -> Path:
 def load_model(path: Path, max_seqs: int = 1) -> Any:
     """One loaded model per file (and way of holding it) in this process (the engine compiles a spec more
     than once); ``max_seqs``: the most sequences a step holds, which decides repacking
-    (:func:`runtime.extra_bufts`)."""
-    repack = _runtime().extra_bufts(max_seqs)
+    (:func:`runtime.extra_bufts`) with whether the file's matrices are all BF16."""
+    repack = _runtime().extra_bufts(max_seqs, bf16=set(_stored_types(str(path))) - {"F32"} == {"BF16"})
     key = str(path.resolve())
     with _models_lock:
         m = _models.get((key, repack))
