@@ -23,7 +23,8 @@ from dspark.sdk import cache, get_logger, hostinfo
 from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
-__version__ = "0.2.0"  # 0.2: K and V in half precision for a half-precision engine (timings and verdicts redone)
+__version__ = "0.3.0"  # 0.3: flash attention over f16 K and V, BF16 files packed at every engine size; 0.2: K and V in
+# half precision for a half-precision engine (each version's timings and verdicts are redone)
 DSPARK_API_VERSION = "1.15"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps; end_run
 
 log = get_logger("dspark_llamacpp")
