@@ -375,7 +375,7 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_its_step_holds_once_bf16_i
     # 64 through the grouped kernel (5-flash-attn-grouped-rows.patch): each output is summed in one order
     # whatever the step's rows, so a verified draft's logits are those of its token decoded alone. The kernels
     # as shipped sum one row and several differently.
-    if not runtime.packs_bf16():
+    if "AVX512_BF16 = 1" not in runtime.system_info():
         pytest.skip("this CPU (or this build) has no AVX512-BF16: BF16 matrices run as stored")
     path = request.getfixturevalue("bf16_file" if heads == "heads-16" else "bf16_heads64_file")
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
@@ -410,17 +410,12 @@ def test_extra_buffer_types_follow_the_cpu_the_amx_probe_and_the_user(monkeypatc
     monkeypatch.setattr(amx.hostinfo, "cpu_static", lambda: facts)
     assert runtime.extra_bufts() and runtime.extra_bufts(runtime.REPACK_MAX_SEQS)
     assert not runtime.extra_bufts(32)  # without AMX, steps of many rows ran slower repacked
-    # BF16 matrices packed for AVX512-BF16 ran faster at every size, where the build packs them
-    monkeypatch.setattr(runtime, "system_info", lambda: "CPU : AVX512 = 1 | AVX512_BF16 = 1 |")
-    assert runtime.extra_bufts(32, bf16=True) and not runtime.extra_bufts(32)
-    monkeypatch.setattr(runtime, "system_info", lambda: "CPU : AVX2 = 1 | AVX512_BF16 = 0 |")
-    assert not runtime.extra_bufts(32, bf16=True)
     facts["isa_features"] = ["avx512f", "amx_tile", "amx_int8"]
     verdict = {"runs": True}
     monkeypatch.setattr(amx, "runs", lambda: verdict["runs"])
     assert runtime.extra_bufts() and runtime.extra_bufts(32)  # AMX's kernels ran faster at every size
     verdict["runs"] = False  # this library's AMX kernels faulted in the probe
-    assert not runtime.extra_bufts() and not runtime.extra_bufts(32) and not runtime.extra_bufts(1, bf16=True)
+    assert not runtime.extra_bufts() and not runtime.extra_bufts(32)
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "1")
     assert runtime.extra_bufts() and runtime.extra_bufts(32)
     monkeypatch.setenv("DSPARK_LLAMACPP_EXTRA_BUFTS", "0")

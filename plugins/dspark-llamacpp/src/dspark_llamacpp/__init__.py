@@ -23,7 +23,7 @@ from dspark.sdk import cache, get_logger, hostinfo
 from dspark.sdk.decoder import DecoderSpec, SeqBatch
 from dspark.types import DecoderBid, Device, Unavailable
 
-__version__ = "0.3.0"  # 0.3: flash attention over f16 K and V, BF16 files packed at every engine size; 0.2: K and V in
+__version__ = "0.3.0"  # 0.3: flash attention over f16 K and V; 0.2: K and V in
 # half precision for a half-precision engine (each version's timings and verdicts are redone)
 DSPARK_API_VERSION = "1.15"  # cancel(); pages released (dspark.sdk.release_file); greedy_steps; end_run
 
@@ -144,8 +144,8 @@ def gguf_for(spec: DecoderSpec) -> Path:
 def load_model(path: Path, max_seqs: int = 1) -> Any:
     """One loaded model per file (and way of holding it) in this process (the engine compiles a spec more
     than once); ``max_seqs``: the most sequences a step holds, which decides repacking
-    (:func:`runtime.extra_bufts`) with whether the file's matrices are all BF16."""
-    repack = _runtime().extra_bufts(max_seqs, bf16=set(_stored_types(str(path))) - {"F32"} == {"BF16"})
+    (:func:`runtime.extra_bufts`)."""
+    repack = _runtime().extra_bufts(max_seqs)
     key = str(path.resolve())
     with _models_lock:
         m = _models.get((key, repack))

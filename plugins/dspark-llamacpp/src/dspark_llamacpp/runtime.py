@@ -103,27 +103,19 @@ _ABORT: Any = None
 REPACK_MAX_SEQS = 8  # repacked weights for steps of at most this many sequences (docs/benchmarks.md)
 
 
-def extra_bufts(max_seqs: int = 1, bf16: bool = False) -> bool:
+def extra_bufts(max_seqs: int = 1) -> bool:
     """Whether a model stepped with at most ``max_seqs`` sequences loads with llama.cpp's extra CPU buffer
-    types (its weights repacked for its kernels). Without AMX, repacked quantized steps of a few rows ran
+    types (its quantized weights repacked for its kernels). Without AMX, repacked steps of a few rows ran
     faster and steps of 32 rows slower (docs/benchmarks.md, "Extra buffer types"), so on for engines of up
-    to :data:`REPACK_MAX_SEQS` sequences; a file whose matrices are all BF16 (``bf16``), which this project's
-    build packs for AVX512-BF16 (:func:`packs_bf16`), ran faster packed at every step size, so on for every
-    engine there. With AMX, its buffer type ran faster at every step size, so on for every engine where this
-    llama.cpp's AMX kernels run (:func:`amx.runs`: a probe in a child process, cached).
-    ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
+    to :data:`REPACK_MAX_SEQS` sequences. With AMX, its buffer type ran faster at every step size, so on
+    for every engine where this llama.cpp's AMX kernels run (:func:`amx.runs`: a probe in a child process,
+    cached). ``DSPARK_LLAMACPP_EXTRA_BUFTS=1`` or ``0`` decides instead."""
     asked = os.environ.get("DSPARK_LLAMACPP_EXTRA_BUFTS")
     if asked in ("0", "1"):
         return asked == "1"
     if amx.has_amx():
         return amx.runs()
-    return max_seqs <= REPACK_MAX_SEQS or (bf16 and packs_bf16())
-
-
-def packs_bf16() -> bool:
-    """Whether this llama.cpp packs BF16 matrices in its extra buffer types: the build targets AVX512-BF16
-    (scripts/patches/llama-cpp-python-0.3.36/3-bf16-packed-matmul.patch)."""
-    return "AVX512_BF16 = 1" in system_info()
+    return max_seqs <= REPACK_MAX_SEQS
 
 
 def _releasing(path: str) -> Any:
