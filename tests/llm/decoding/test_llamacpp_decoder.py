@@ -134,8 +134,10 @@ def test_a_failing_llamacpp_decoder_moves_to_torch_and_loses_no_request() -> Non
 
 
 def _llamacpp_alone(path: Path, prompt: list[int], n: int, kv_dtype: str = "float32") -> list[int]:
-    """Greedy tokens from llama.cpp driven directly (one sequence, K and V in ``kv_dtype``), no engine."""
-    ctx = lrt.Context(lrt.Model(path), n_ctx=256, n_seq_max=1, n_batch=64, threads=2, kv_dtype=kv_dtype)
+    """Greedy tokens from llama.cpp driven directly (one sequence, K and V in ``kv_dtype``, flash attention
+    where the plugin runs it), no engine."""
+    ctx = lrt.Context(lrt.Model(path), n_ctx=256, n_seq_max=1, n_batch=64, threads=2, kv_dtype=kv_dtype,
+                      flash_attn=dspark_llamacpp.flash_attn(kv_dtype))
     toks = list(prompt)
     logits = ctx.decode(np.zeros(len(toks), np.int64), np.asarray(toks), np.arange(len(toks)),
                         np.eye(1, len(toks), len(toks) - 1, dtype=np.int8)[0])
