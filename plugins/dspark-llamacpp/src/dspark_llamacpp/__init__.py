@@ -90,9 +90,10 @@ def kv_dtype(engine_dtype: str) -> str:
 
 def flash_attn(kv: str) -> bool:
     """Whether llama.cpp's flash attention runs over K and V held in ``kv``: over f16 (llama.cpp's own
-    default there) it is faster at every step shape and keeps a row's logits whatever rows share its step
-    (scripts/patches/llama-cpp-python-0.3.36/4-flash-attn-row-order.patch); over f32 it is no faster, and the
-    float32 engine keeps the torch runner's logits with the plain attention."""
+    default there) it is faster at every step shape and, as this project builds it, keeps a row's logits
+    whatever rows share its step (scripts/patches/llama-cpp-python-0.3.36/4-flash-attn-row-order.patch and
+    5-flash-attn-grouped-rows.patch); over f32 it is no faster, and the float32 engine keeps the torch
+    runner's logits with the plain attention."""
     return kv == "float16"
 
 
