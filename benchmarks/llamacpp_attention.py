@@ -23,20 +23,24 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from llamacpp_repack import fill_prompts  # noqa: E402
+
 DEFAULT = HERE / "out" / "llamacpp" / "files" / "stdlib-llama-bf16.gguf"
 ONE_SEQ = (1, 2, 4, 6, 8)  # rows of one sequence's steps
 SEQS = (8, 32)
 PROMPT = 300
 
 
-def _median_ms(f: object, reps: int, skip: int = 3) -> float:
+def _median_ms(f: Callable[[], None], reps: int, skip: int = 3) -> float:
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        f()  # type: ignore[operator]
+        f()
         times.append(time.perf_counter() - t)
     return statistics.median(times[skip:]) * 1e3
 
@@ -76,11 +80,7 @@ def child(path: str, threads: int, flash: bool) -> dict[str, float]:
     for s in SEQS:
         ctx = runtime.Context(model, n_ctx=s * 256, n_seq_max=s, n_batch=512, threads=threads, kv_dtype="float16",
                               flash_attn=flash, unified=False)
-        for s0 in range(0, s, 4):  # four 96-token prompts a call
-            w = np.zeros(384, bool)
-            w[95::96] = True
-            ctx.decode(np.repeat(np.arange(s0, s0 + 4, dtype=np.int32), 96),
-                       np.arange(384, dtype=np.int32) % 5000 + 5, np.tile(np.arange(96, dtype=np.int32), 4), w)
+        fill_prompts(ctx, s)
         pos = np.full(s, 96, np.int32)
 
         def decode(s: int = s, ctx: runtime.Context = ctx, pos: np.ndarray = pos) -> None:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DEFAULT = HERE / "out" / "llamacpp" / "files" / "random-0.5b-q4_k_m.gguf"
@@ -34,6 +35,17 @@ def _mb(field: str) -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
 
 
+def fill_prompts(ctx: Any, seqs: int) -> None:
+    """Sequences 0 .. ``seqs`` - 1 of a plugin ``Context`` each get a 96-token prompt, four prompts a call."""
+    import numpy as np
+
+    want = np.zeros(384, bool)
+    want[95::96] = True
+    for s0 in range(0, seqs, 4):
+        ctx.decode(np.repeat(np.arange(s0, s0 + 4, dtype=np.int32), 96), np.arange(384, dtype=np.int32) % 5000 + 5,
+                   np.tile(np.arange(96, dtype=np.int32), 4), want)
+
+
 def child(path: str, threads: int) -> dict[str, float]:
     import numpy as np
 
@@ -43,11 +55,7 @@ def child(path: str, threads: int) -> dict[str, float]:
     model = runtime.Model(path)
     held, peak = _mb("VmRSS") - base, _mb("VmHWM") - base
     ctx = runtime.Context(model, n_ctx=8192, n_seq_max=32, n_batch=512, threads=threads)
-    for s0 in range(0, 32, 4):  # four 96-token prompts a call
-        want = np.zeros(384, bool)
-        want[95::96] = True
-        ctx.decode(np.repeat(np.arange(s0, s0 + 4, dtype=np.int32), 96), np.arange(384, dtype=np.int32) % 5000 + 5,
-                   np.tile(np.arange(96, dtype=np.int32), 4), want)
+    fill_prompts(ctx, 32)
     pos = np.full(32, 96, np.int32)
     out: dict[str, float] = {"load_held_mb": held, "load_peak_mb": peak, "repacked": float(model.repacked)}
     for n in ROWS:
