@@ -161,7 +161,9 @@ class LLMEngine:
         # A lone greedy request under DeepSpec: (lookup, k, steps), a copy run of k drafted tokens a step, or
         # with k 0 a greedy run.
         stretch_ms = 0.0 if spec is None else min(self._run.budget_ms, self.config.speculative.stretch_ms)
-        lone = spec.lone_plan(planned, stretch_ms) if spec is not None and not self.scheduler.waiting else None
+        run_ms = max(CLOSED_RUN_MS, self._run.budget_ms) if closed else self._run.budget_ms
+        lone = spec.lone_plan(planned, stretch_ms, run_ms) if spec is not None and not self.scheduler.waiting \
+            else None
         if lone is not None:
             src, k, n = lone[0], lone[1], min(lone[2], MAX_RUN)
             ran = self._step_copy(planned[0], src, k, n, t0, finished_only) if k \

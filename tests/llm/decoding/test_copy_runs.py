@@ -26,7 +26,7 @@ RUN_MS = 8.0  # a run's budget: at the fixed step costs, 7 steps a run (and a gr
 def _engine(decoder: str, costs: Callable[[int], float] | None, monkeypatch: pytest.MonkeyPatch,
             **kw: Any) -> LLMEngine:
     spec = {"speculative_decoding": {"strategy": "deepspec"}} if costs is not None else {}
-    e = float_engine(decoder, decode_run_ms=RUN_MS, max_batch_size=1, **spec, **kw)
+    e = float_engine(decoder, max_batch_size=1, **spec, **{"decode_run_ms": RUN_MS, **kw})
     if costs is not None:
         assert e.spec is not None
         monkeypatch.setattr(e.spec, "_step_ms", costs)
@@ -88,6 +88,28 @@ def test_no_copy_run_where_copy_steps_cost_more(decoder: str, monkeypatch: pytes
     assert e.spec is not None and e.spec.copy_runs == 0
     s = e.stats()
     assert s.steps * 2 < s.forward_steps  # plain stretches ran as greedy runs
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_greedy_stretches_grow_to_the_run_budget_while_plain_steps_lead(decoder: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no copy way comes near plain steps (STEEP), a lone request's greedy stretches grow from
+    ``stretch_ms`` to the run's budget (``decode_run_ms``) and no further, with plain decoding's tokens."""
+    reqs = {"loop": (LOOP, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))}
+    ref = _one_at_a_time(_engine(decoder, None, monkeypatch), reqs)
+    for run_ms, longest in ((RUN_MS, RUN_MS), (4 * RUN_MS, 4 * RUN_MS)):  # at STEEP's 1 ms a step: steps = ms
+        e = _engine(decoder, STEEP, monkeypatch, decode_run_ms=run_ms)
+        runs: list[int] = []
+        greedy = e.runner.greedy_steps
+
+        def record(cache: Any, chunks: Any, limits: list[int], stop_ids: Any, greedy: Any = greedy) -> Any:
+            runs.append(max(limits))
+            return greedy(cache, chunks, limits, stop_ids)
+
+        monkeypatch.setattr(e.runner, "greedy_steps", record)
+        assert _one_at_a_time(e, reqs) == ref
+        assert e.spec is not None and e.spec.copy_runs == 0
+        assert max(runs) == longest and runs[0] == RUN_MS, runs  # the first stretch: stretch_ms (8 ms)
 
 
 def test_no_copy_run_without_the_prompt_lookup_drafter(monkeypatch: pytest.MonkeyPatch) -> None:

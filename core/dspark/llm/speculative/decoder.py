@@ -259,12 +259,15 @@ class SpecDecoder(Proposer, Learner, Calibration):
         self._ran = True
         self.yields.plain_step(seqs, tokens, step_ms)
 
-    def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float) -> tuple[int, int, int] | None:
+    def lone_plan(self, planned: list[ScheduledChunk], budget_ms: float,
+                  run_ms: float | None = None) -> tuple[int, int, int] | None:
         """How a lone plain greedy decode goes on now (docs/decoders.md, "Copy runs"): (lookup, k, n), a copy run
         of n steps of k tokens drafted by that lookup (``copy_run``; k 0: a greedy run of n steps); None, a
         proposal as usual. The request's text is replayed (``runs.replay``) and the way that would have cost
-        least over it is taken, at the steps' measured times; n steps fit in ``budget_ms``
-        (``EngineConfig.decode_run_ms``; 0: no runs; the engine caps n). A proposal lets DeepSpec's other
+        least over it is taken, at the steps' measured times; n steps fit in ``budget_ms`` (a stretch:
+        ``stretch_ms``, at most ``EngineConfig.decode_run_ms``; 0: no runs; the engine caps n). A greedy
+        stretch chosen while every copy way trails plain steps clearly runs longer, up to ``Replay.grow``
+        stretches and at most ``run_ms`` (a greedy run's own budget). A proposal lets DeepSpec's other
         drafters show every ``PROPOSE_EVERY``th stretch, the gap doubling (to ``PROPOSE_MAX``) after each
         in which no model drafter's draft held, and again right after one that held."""
         lookups = [h for h in self._lookups if h.disabled is None]
@@ -296,6 +299,8 @@ class SpecDecoder(Proposer, Learner, Calibration):
             return None
         way = rep.choose(self._step_ms, self.change_ms)
         src, k = (0, 0) if way is None else way  # too little replayed: plain steps are the cheapest way to more
+        if k == 0 and way is not None:
+            budget_ms = min(budget_ms * rep.grow, max(budget_ms, run_ms or 0.0))
         return src, k, max(1, int(budget_ms / self._step_ms(1 + k)))
 
     def _step_ms(self, rows: int) -> float:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from dspark.builtin.prompt_lookup import PromptLookupDrafter
-from dspark.llm.speculative.runs.replay import DECAY, KS, MIN_TOKENS, STRETCH_TOKENS, Replay
+from dspark.llm.speculative.runs.replay import DECAY, GROW_MAX, KS, LEAD, MIN_TOKENS, STRETCH_TOKENS, Replay
 
 
 def _steps(prompt: list[int], out: list[int], k: int) -> list[int]:
@@ -121,3 +121,29 @@ def test_a_change_of_way_pays_for_the_change_of_shape() -> None:
     # ... and one costing less does not.
     rep.way = (0, 0)
     assert rep.choose(cost, change_ms=0.99 * gain * STRETCH_TOKENS) == best
+
+
+def test_greedy_stretches_grow_while_every_copy_way_trails() -> None:
+    """Plain steps chosen while every copy way would have cost at least LEAD x theirs a token: each such choice
+    doubles the next greedy stretch, up to GROW_MAX; a copy way within reach, or chosen, starts it over."""
+    prompt, out = _texts()[0]  # little to copy: every copy way far behind
+    rep = Replay(prompt)
+    rep.catch_up(prompt + out)
+    steep = lambda rows: float(rows) ** 2  # noqa: E731
+    grows = []
+    for _ in range(GROW_MAX.bit_length() + 1):
+        assert rep.choose(steep) == (0, 0)
+        grows.append(rep.grow)
+    assert grows[0] == 2 and grows == [min(2 ** (i + 1), GROW_MAX) for i in range(len(grows))]
+    assert grows[-1] == GROW_MAX > 2
+    loop_prompt, loop = _texts()[1]
+    near = Replay(loop_prompt)
+    near.catch_up(loop_prompt + loop)
+    near.grow = GROW_MAX
+    # As dear a token as plain steps at best: plain is chosen, but a copy way is within LEAD of it.
+    assert near.choose(lambda rows: float(rows)) == (0, 0)
+    assert near.grow == 1
+    per_token = min(float(1 + w.k) * w.steps / w.tokens for w in near.ways)
+    assert per_token < LEAD
+    near.grow = GROW_MAX
+    assert near.choose(lambda rows: 1.0 + 0.05 * rows) == (0, max(KS)) and near.grow == 1  # a copy: over

@@ -23,6 +23,9 @@ KS = (1, 2, 3, 5, 7)  # drafted tokens per copy step tried
 DECAY = 0.98  # per token replayed: the recent text counts (half-life about 35 tokens)
 MIN_TOKENS = 12.0  # replayed tokens before the replay decides
 STRETCH_TOKENS = 16.0  # tokens a stretch makes, about: what a change of way is spread over
+# A greedy stretch chosen while every copy way would have cost at least LEAD x plain steps a token: the next
+# such stretch may run twice as long (up to GROW_MAX x), its choice and the run's own cost paid less often.
+LEAD, GROW_MAX = 1.25, 4
 
 # A lookup other than the request's own prompt lookup: (the text so far, k) -> its draft of up to k tokens.
 Lookup = Callable[[list[int], int], list[int]]
@@ -60,6 +63,7 @@ class Replay:
         self.ways = [_Way(src, k, self.start) for src in range(1 + len(self.others)) for k in KS]
         self.drafts: dict[int, list[list[int]]] = {}  # position -> each lookup's draft from the text before it
         self.way: tuple[int, int] = (0, 0)  # the way last chosen: (lookup, drafted tokens a step); k 0: plain
+        self.grow = 1  # a greedy stretch's length, in stretches: doubled while plain steps lead by LEAD
 
     @property
     def tokens(self) -> float:
@@ -98,10 +102,13 @@ class Replay:
         def cost(rows: int, per_token: float) -> float:
             return per_token + (per_switch if rows != last_rows else 0.0)
 
-        best, low = (0, 0), cost(1, step_ms(1))
+        plain = cost(1, step_ms(1))
+        best, low, copy = (0, 0), plain, float("inf")
         for w in self.ways:
             c = cost(1 + w.k, step_ms(1 + w.k) * w.steps / w.tokens)
+            copy = min(copy, c)
             if c < low:
                 best, low = (w.src, w.k), c
         self.way = best
+        self.grow = min(2 * self.grow, GROW_MAX) if best[1] == 0 and copy >= LEAD * plain else 1
         return best
