@@ -1,6 +1,7 @@
 """Speculative decoding benchmark (issue 6): DeepSpec vs plain, fixed drafters and transformers.
 
 Usage: .venv/bin/python benchmarks/speculative.py [--quick] [--threads 1] [--model DIR] [--rounds N] [--draft-head auto]
+       [--dtype bfloat16] [--no-hf]
 
 In one run, on the embedded model (or ``--model``), greedy, one request at a
 time (batch 1, the setting of transformers' assisted generation), three
@@ -235,6 +236,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer and shorter requests, k swept over 1,2,4,8")
     ap.add_argument("--rounds", type=int, default=None, help="timed interleaved rounds (default 5, quick 2)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="every dspark engine's dtype (bfloat16: vs_openvino_genai.py's spec row; the engine "
+                         "then picks its decoder at that dtype); the transformers peers stay float32")
     ap.add_argument("--draft-head", default="none",
                     help="speculative_decoding.draft_head of every dspark engine (auto: the embedded feature head "
                          "too, swept like the other drafters, and DeepSpec also timed without it)")
@@ -246,7 +250,7 @@ def main() -> None:
     rounds = args.rounds or (2 if quick else 5)
     ks = [1, 2, 4, 8] if quick else list(range(1, 9))
     model = args.model
-    dtype = "float32"
+    dtype = args.dtype
     print(f"model {model}; dtype {dtype}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; mode {'quick' if quick else 'full'}")
 
