@@ -38,12 +38,20 @@ if [ ! -f "$SDIST" ]; then
   $NICE "$PROJ_PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$V" -d "$OUTD/sdist"
 fi
 SRC="$OUTD/src/llama_cpp_python-$V"
+# The same patches as the plugin's build: a tree and venv made with other patches are made again, so the
+# benchmark's llama.cpp runs the plugin's kernels (a stamp of the patches' hash beside the tree).
+PATCHED="$(cat "$ROOT/scripts/patches/llama-cpp-python-$V"/*.patch 2>/dev/null | sha256sum | cut -c1-16)"
+STAMP="$OUTD/src/PATCHES-$V"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$PATCHED" ]; then
+  rm -rf "$SRC" "$OUTD/venv"
+fi
 if [ ! -d "$SRC" ]; then
   tar -xzf "$SDIST" -C "$OUTD/src"
   # The plugin's patches (scripts/llamacpp_wheel.sh): without them llama.cpp's AMX kernels fault on AMX CPUs.
   for P in "$ROOT/scripts/patches/llama-cpp-python-$V"/*.patch; do
     if [ -f "$P" ]; then patch -d "$SRC" -p1 --forward --quiet < "$P"; fi
   done
+  echo "$PATCHED" > "$STAMP"
 fi
 
 echo "== venv and build (CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON}, $JOBS jobs)"
