@@ -99,16 +99,19 @@ def test_greedy_stretches_grow_to_the_run_budget_while_plain_steps_lead(decoder:
     ref = _one_at_a_time(_engine(decoder, None, monkeypatch), reqs)
     for run_ms, longest in ((RUN_MS, RUN_MS), (4 * RUN_MS, 4 * RUN_MS)):  # at STEEP's 1 ms a step: steps = ms
         e = _engine(decoder, STEEP, monkeypatch, decode_run_ms=run_ms)
-        runs: list[int] = []
-        greedy = e.runner.greedy_steps
+        assert e.spec is not None
+        runs: list[int] = []  # the steps of each greedy stretch planned (its way and length are DeepSpec's)
+        plan = e.spec.lone_plan
 
-        def record(cache: Any, chunks: Any, limits: list[int], stop_ids: Any, greedy: Any = greedy) -> Any:
-            runs.append(max(limits))
-            return greedy(cache, chunks, limits, stop_ids)
+        def record(*a: Any, plan: Any = plan) -> Any:
+            way = plan(*a)
+            if way is not None and way[1] == 0:
+                runs.append(way[2])
+            return way
 
-        monkeypatch.setattr(e.runner, "greedy_steps", record)
+        monkeypatch.setattr(e.spec, "lone_plan", record)
         assert _one_at_a_time(e, reqs) == ref
-        assert e.spec is not None and e.spec.copy_runs == 0
+        assert e.spec.copy_runs == 0
         assert max(runs) == longest and runs[0] == RUN_MS, runs  # the first stretch: stretch_ms (8 ms)
 
 
