@@ -23,8 +23,8 @@ KS = (1, 2, 3, 5, 7)  # drafted tokens per copy step tried
 DECAY = 0.98  # per token replayed: the recent text counts (half-life about 35 tokens)
 MIN_TOKENS = 12.0  # replayed tokens before the replay decides
 STRETCH_TOKENS = 16.0  # tokens a stretch makes, about: what a change of way is spread over
-# A greedy stretch chosen while every copy way would have cost at least LEAD x plain steps a token: the next
-# such stretch may run twice as long (up to GROW_MAX x), its choice and the run's own cost paid less often.
+# Greedy stretches chosen in a row while every copy way would have cost at least LEAD x plain steps a token run
+# twice as long each time (up to GROW_MAX x): their choice and each run's own cost are paid less often.
 LEAD, GROW_MAX = 1.25, 4
 
 # A lookup other than the request's own prompt lookup: (the text so far, k) -> its draft of up to k tokens.
