@@ -18,31 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from llamacpp_repack import fill_prompts  # noqa: E402
+from llamacpp_repack import fill_prompts, in_children, median_ms  # noqa: E402
 
 DEFAULT = HERE / "out" / "llamacpp" / "files" / "stdlib-llama-bf16.gguf"
 ONE_SEQ = (1, 2, 4, 6, 8)  # rows of one sequence's steps
 SEQS = (8, 32)
 PROMPT = 300
-
-
-def _median_ms(f: Callable[[], None], reps: int, skip: int = 3) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[skip:]) * 1e3
 
 
 def child(path: str, threads: int, flash: bool) -> dict[str, float]:
@@ -66,7 +53,7 @@ def child(path: str, threads: int, flash: bool) -> dict[str, float]:
             one.decode(seqs, toks, pos, want)
             one.drop(0, PROMPT)
 
-        out[f"one_seq_{n}_rows_ms"] = _median_ms(step, 40)
+        out[f"one_seq_{n}_rows_ms"] = median_ms(step, 40)
     want128 = np.zeros(128, bool)
     want128[-1] = True
 
@@ -75,7 +62,7 @@ def child(path: str, threads: int, flash: bool) -> dict[str, float]:
         one.decode(np.zeros(128, np.int32), np.arange(128, dtype=np.int32) + 5, np.arange(128, dtype=np.int32),
                    want128)
 
-    out["prefill_128_ms"] = _median_ms(prefill, 12)
+    out["prefill_128_ms"] = median_ms(prefill, 12)
     one.close()
     for s in SEQS:
         ctx = runtime.Context(model, n_ctx=s * 256, n_seq_max=s, n_batch=512, threads=threads, kv_dtype="float16",
@@ -87,7 +74,7 @@ def child(path: str, threads: int, flash: bool) -> dict[str, float]:
             ctx.decode(np.arange(s, dtype=np.int32), np.full(s, 7, np.int32), pos.copy(), np.ones(s, bool))
             pos += 1
 
-        out[f"seqs_{s}_ms"] = _median_ms(decode, 30)
+        out[f"seqs_{s}_ms"] = median_ms(decode, 30)
         ctx.close()
     model.close()
     return out
@@ -106,23 +93,13 @@ def main() -> None:
         return
     if not Path(args.file).exists():
         raise SystemExit(f"{args.file}: not found (benchmarks/vs_llamacpp.py writes it)")
-    sides = {"flash": ("flash", None), "plain": ("plain", None)}
+    sides: dict[str, tuple[str, dict[str, str]]] = {"flash": ("flash", {}), "plain": ("plain", {})}
     if args.compare_lib:
         if not (Path(args.compare_lib) / "libllama.so").exists():
             raise SystemExit(f"--compare-lib {args.compare_lib}: no libllama.so there")
-        sides["flash, --compare-lib"] = ("flash", args.compare_lib)
+        sides["flash, --compare-lib"] = ("flash", {"LLAMA_CPP_LIB_PATH": args.compare_lib})
+    res = in_children(__file__, args.file, args.threads, args.rounds, sides)
     names = list(sides)
-    res: dict[str, list[dict[str, float]]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            mode, lib = sides[name]
-            env = {**os.environ, **({"LLAMA_CPP_LIB_PATH": lib} if lib else {})}
-            proc = subprocess.run([sys.executable, __file__, args.file, "--threads", str(args.threads), "--child",
-                                   mode], capture_output=True, text=True, env=env, timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(proc.stderr[-3000:])
-            res[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in res[name][-1].items()), flush=True)
     print(f"\n{Path(args.file).name}, f16 K and V, {args.threads} threads, {args.rounds} rounds (medians, ms)\n")
     print("| step | " + " | ".join(names) + " | " + " | ".join(f"{n} / flash" for n in names[1:]) + " |")
     print("|---" * (2 * len(names)) + "|")

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,35 @@ VERIFY = (1, 2, 5, 9)  # rows of one sequence's steps
 def _mb(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
+
+
+def median_ms(f: Callable[[], None], reps: int, skip: int = 3) -> float:
+    """The median time of ``f`` over ``reps`` calls, the first ``skip`` untimed, in ms."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[skip:]) * 1e3
+
+
+def in_children(script: str, file: str, threads: int, rounds: int,
+                sides: dict[str, tuple[str, dict[str, str]]]) -> dict[str, list[dict[str, float]]]:
+    """Each side, ``name: (child argument, extra environment)``, run as ``script FILE --threads N --child ARG`` in
+    a process of its own (OpenMP workers spin between calls), the sides' order rotating round by round; each
+    child's last line of output is its figures as JSON. Returns every side's figures, round by round."""
+    names = list(sides)
+    res: dict[str, list[dict[str, float]]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            arg, extra = sides[name]
+            proc = subprocess.run([sys.executable, script, file, "--threads", str(threads), "--child", arg],
+                                  capture_output=True, text=True, env={**os.environ, **extra}, timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            res[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in res[name][-1].items()), flush=True)
+    return res
 
 
 def fill_prompts(ctx: Any, seqs: int) -> None:
@@ -59,13 +89,12 @@ def child(path: str, threads: int) -> dict[str, float]:
     pos = np.full(32, 96, np.int32)
     out: dict[str, float] = {"load_held_mb": held, "load_peak_mb": peak, "repacked": float(model.repacked)}
     for n in ROWS:
-        times = []
-        for _ in range(30):
-            t = time.perf_counter()
+
+        def rows(n: int = n) -> None:
             ctx.decode(np.arange(n, dtype=np.int32), np.full(n, 7, np.int32), pos[:n].copy(), np.ones(n, bool))
-            times.append(time.perf_counter() - t)
             pos[:n] += 1
-        out[f"rows_{n}_ms"] = statistics.median(times[3:]) * 1e3
+
+        out[f"rows_{n}_ms"] = median_ms(rows, 30)
     # One sequence alone: steps of 1 + k rows at the end of a 96-token prompt, rolled back after each (a
     # verification step of k drafted tokens, as DeepSpec takes one request at a time).
     one = runtime.Context(model, n_ctx=512, n_seq_max=1, n_batch=512, threads=threads)
@@ -73,14 +102,13 @@ def child(path: str, threads: int) -> dict[str, float]:
     last[-1] = True
     one.decode(np.zeros(96, np.int32), np.arange(96, dtype=np.int32) % 5000 + 5, np.arange(96, dtype=np.int32), last)
     for n in VERIFY:
-        times = []
-        for _ in range(30):
-            t = time.perf_counter()
+
+        def verify(n: int = n) -> None:
             one.decode(np.zeros(n, np.int32), np.full(n, 7, np.int32), np.arange(96, 96 + n, dtype=np.int32),
                        np.ones(n, bool))
-            times.append(time.perf_counter() - t)
             one.drop(0, 96)
-        out[f"one_seq_{n}_rows_ms"] = statistics.median(times[3:]) * 1e3
+
+        out[f"one_seq_{n}_rows_ms"] = median_ms(verify, 30)
     return out
 
 
@@ -96,21 +124,14 @@ def main() -> None:
         return
     if not Path(args.file).exists():
         raise SystemExit(f"{args.file}: not found (benchmarks/vs_llamacpp.py writes the 0.5B files)")
-    res: dict[str, list[dict[str, float]]] = {"1": [], "0": []}
-    for r in range(args.rounds):
-        for side in (("1", "0") if r % 2 == 0 else ("0", "1")):
-            env = {**os.environ, "DSPARK_LLAMACPP_EXTRA_BUFTS": side}
-            proc = subprocess.run([sys.executable, __file__, args.file, "--threads", str(args.threads), "--child", side],
-                                  capture_output=True, text=True, env=env, timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(proc.stderr[-3000:])
-            res[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {'repacked' if side == '1' else 'as stored'}: {res[side][-1]}", flush=True)
+    res = in_children(__file__, args.file, args.threads, args.rounds,
+                      {"repacked": ("1", {"DSPARK_LLAMACPP_EXTRA_BUFTS": "1"}),
+                       "as stored": ("0", {"DSPARK_LLAMACPP_EXTRA_BUFTS": "0"})})
     print(f"\n{Path(args.file).name}, {args.threads} threads, {args.rounds} rounds (medians)\n")
     print("| measure | repacked | as stored | repacked / as stored |\n|---|---|---|---|")
     for key in (*[f"rows_{n}_ms" for n in ROWS], *[f"one_seq_{n}_rows_ms" for n in VERIFY], "load_held_mb",
                 "load_peak_mb"):
-        a, b = (statistics.median(x[key] for x in res[s]) for s in ("1", "0"))
+        a, b = (statistics.median(x[key] for x in res[s]) for s in ("repacked", "as stored"))
         f = ".2f" if key.endswith("_ms") else ".1f"
         print(f"| {key} | {a:{f}} | {b:{f}} | {a / b:.2f} |")
 
